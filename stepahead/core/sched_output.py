@@ -1,0 +1,114 @@
+"""The whole scheduler <-> worker contract: plain data, no torch (engine-spec §1.9).
+
+Everything here crosses process boundaries (pickled to the worker process, msgspec to the
+API server), so fields are ids, counts, block ids and diffs only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from stepahead.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """Sent once, when a request is first scheduled (or, with resumed=False, never again)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int  # the prefix-cache hit length at admission
+
+
+@dataclass
+class CachedRequestData:
+    """Diffs for requests the worker already knows. Parallel lists over running-then-resumed requests.
+
+    num_computed_tokens and num_output_tokens are the values before this step's increment.
+    """
+
+    req_ids: list[str] = field(default_factory=list)
+    resumed_req_ids: set[str] = field(default_factory=set)
+    # Only for pipeline stages that cannot see the sampled token; empty lists otherwise.
+    new_token_ids: list[list[int]] = field(default_factory=list)
+    # Full token history, for requests the worker may not hold in its batch (resumed ones).
+    all_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    new_block_ids: list[list[int] | None] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+    num_output_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str]
+    preempted_req_ids: set[str] = field(default_factory=set)
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    has_structured_output_requests: bool = False
+    pending_structured_output_tokens: bool = False
+    step_id: int = 0  # the scheduler's step counter, for traces
+
+    @staticmethod
+    def make_empty(finished_req_ids: set[str] | None = None, step_id: int = 0) -> SchedulerOutput:
+        return SchedulerOutput([], CachedRequestData(), {}, 0, finished_req_ids or set(), step_id=step_id)
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprobs for one sampled token: the sampled token first, then the top-N (which may repeat it)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    sampled_rank: int  # 1-based rank of the sampled token in the full distribution
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]
+    # Per request, in req_ids order: [] for a partial prefill, else the sampled token(s).
+    sampled_token_ids: list[list[int]]
+    # Per request id with logprobs requested: one entry per sampled token.
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # Worker-side accounting for EngineStats and traces.
+    busy_s: float = 0.0
+    trace_events: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def req_id_to_index(self) -> dict[str, int]:
+        return {rid: i for i, rid in enumerate(self.req_ids)}
+
+    @staticmethod
+    def empty() -> ModelRunnerOutput:
+        return ModelRunnerOutput([], [])
+
+
+@dataclass
+class GrammarOutput:
+    structured_output_request_ids: list[str]
+    grammar_bitmask: Any  # numpy int32 array [num_rows, ceil(vocab/32)], or None
+
+
+@dataclass
+class EngineCoreOutput:
+    """One request's news from one step, as update_from_output reports it."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # None, "stop", "length", "abort", "error"
+    stop_reason: int | str | None = None
+    new_logprobs: list[TokenLogprobs] | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,59 @@
+"""What callers of the offline API get back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None
+    # One dict per generated token: token id -> Logprob (sampled token plus the top-N).
+    logprobs: list[dict[int, Logprob]] | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class EngineStats:
+    forward_steps: int = 0  # non-empty steps executed by the worker
+    wasted_request_steps: int = 0  # request-slots computed for requests that had already finished
+    busy_s: float = 0.0  # time the worker spent executing steps
+    wall_s: float = 0.0  # time the engine had work
+    preemptions: int = 0
+    prefix_cache_queries: int = 0  # tokens looked up
+    prefix_cache_hits: int = 0  # tokens found
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of usable blocks held by requests
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    finished_by_reason: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def utilization(self) -> float:
+        return self.busy_s / self.wall_s if self.wall_s > 0 else 0.0

@@ -1,0 +1,130 @@
+"""The per-request record the scheduler owns (torch-free)."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from stepahead.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered: every status after PREEMPTED is a finished one."""
+
+    WAITING = enum.auto()
+    WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_IGNORED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def get_finished_reason(status: RequestStatus) -> str | None:
+        return _FINISH_REASONS.get(status)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_IGNORED: "length",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+class Request:
+    """Counters follow the seed (async-scheduling.md) and engine-spec §1.1.
+
+    num_computed_tokens is optimistic: it counts every scheduled position, including those of steps
+    still in flight. num_output_placeholders counts tokens that in-flight steps will produce.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None = None,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+        max_model_len: int | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.cache_salt = cache_salt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        max_tokens = sampling_params.max_tokens
+        if max_tokens is None:
+            # The rest of the context; without a known context length, effectively unbounded.
+            max_tokens = (max_model_len - self.num_prompt_tokens) if max_model_len else 1 << 30
+        self.max_tokens = max(max_tokens, 0)
+
+        self._output_token_ids: list[int] = []
+        self._all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+
+        self.num_computed_tokens = 0
+        self.num_output_placeholders = 0
+        self.num_in_flight_tokens = 0
+        self.num_stale_output_tokens = 0
+        self.drop_stale_output = False
+        self.is_prefill_chunk = False
+        self.spec_token_ids: list[int] = []
+        self.last_sched_seq = 0
+        self.num_preemptions = 0
+        self.num_cached_tokens = -1
+        self.block_hashes: list[int] = []
+        self.use_structured_output = sampling_params.structured_outputs is not None
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self._output_token_ids
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self._all_token_ids) + len(self.spec_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self._output_token_ids)
+
+    def append_output_token_ids(self, token_ids: int | list[int]) -> None:
+        if isinstance(token_ids, int):
+            token_ids = [token_ids]
+        self._output_token_ids.extend(token_ids)
+        self._all_token_ids.extend(token_ids)
+
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    def get_finished_reason(self) -> str | None:
+        return RequestStatus.get_finished_reason(self.status)
+
+    def __lt__(self, other: Request) -> bool:
+        return (self.arrival_time, self.request_id) < (other.arrival_time, other.request_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, ntok={self.num_tokens}, "
+            f"comp={self.num_computed_tokens}, ph={self.num_output_placeholders}, "
+            f"inflt={self.num_in_flight_tokens}, stale={self.num_stale_output_tokens})"
+        )

@@ -1,0 +1,92 @@
+"""Sampling parameters, validated on construction with messages that name the field and its range."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A grammar constraint; exactly one of the fields is set."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs: exactly one of json, regex, choice, grammar must be set (got {given})")
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: the rest of the context
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # top-N logprobs per sampled token (the sampled token is always included)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
+    extra_args: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        _check(self.n >= 1, "n", self.n, "must be >= 1")
+        _check(self.temperature >= 0.0, "temperature", self.temperature, "must be >= 0")
+        _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]")
+        _check(self.top_k >= 0, "top_k", self.top_k, "must be -1 (off), 0 (off) or a positive integer")
+        _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "must be in [0, 1]")
+        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", self.max_tokens, "must be >= 1")
+        _check(self.min_tokens >= 0, "min_tokens", self.min_tokens, "must be >= 0")
+        _check(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            "min_tokens", self.min_tokens, f"must be <= max_tokens ({self.max_tokens})",
+        )
+        _check(
+            self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+            "logprobs", self.logprobs, f"must be in [0, {MAX_LOGPROBS}]",
+        )
+        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty, "must be in [-2, 2]")
+        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", self.frequency_penalty, "must be in [-2, 2]")
+        _check(0.0 < self.repetition_penalty <= 2.0, "repetition_penalty", self.repetition_penalty, "must be in (0, 2]")
+        _check(all(s for s in self.stop), "stop", self.stop, "must not contain empty strings")
+        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids, "must be >= 0")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def validate_token_ids(self, vocab_size: int) -> None:
+        """Token ids in the parameters must exist in the model's vocabulary."""
+        bad = [t for t in self.stop_token_ids if t >= vocab_size]
+        _check(not bad, "stop_token_ids", bad, f"must be token ids in [0, {vocab_size})")
+
+
+def _check(ok: bool, name: str, value: object, rule: str) -> None:
+    if not ok:
+        raise ValueError(f"{name} {rule}, got {value!r}")

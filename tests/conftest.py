@@ -1,0 +1,25 @@
+from __future__ import annotations
+
+import pytest
+
+from tests.tiny_models import build_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory):
+    """tiny_model_factory(arch="llama", **config_overrides) -> folder of a tiny random checkpoint."""
+    cache: dict = {}
+
+    def make(arch: str = "llama", **overrides):
+        key = (arch, tuple(sorted(overrides.items())))
+        if key not in cache:
+            folder = tmp_path_factory.mktemp(f"tiny-{arch}")
+            cache[key] = build_tiny_model(folder, arch, **overrides)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_model_factory):
+    return tiny_model_factory("llama")

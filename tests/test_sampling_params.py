@@ -1,0 +1,34 @@
+import pytest
+
+from stepahead.sampling_params import SamplingParams
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"presence_penalty": 3.0}, "presence_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"n": 0}, "n"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+        ({"stop": [""]}, "stop"),
+    ],
+)
+def test_out_of_range_values_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_normalizes_stop_and_top_k():
+    p = SamplingParams(stop="###", top_k=-1)
+    assert p.stop == ["###"] and p.top_k == 0 and p.stop_token_ids == []
+
+
+def test_stop_token_ids_checked_against_vocab():
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        SamplingParams(stop_token_ids=[5, 999]).validate_token_ids(100)

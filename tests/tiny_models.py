@@ -1,0 +1,111 @@
+"""Tiny random models and a locally trained tokenizer, built on the spot (no model hub).
+
+build_tiny_model(tmp_dir, arch) writes a checkpoint folder (config.json, model.safetensors,
+tokenizer.json, tokenizer_config.json with a ChatML template) that stepahead and transformers
+both load.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sysconfig
+from pathlib import Path
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+VOCAB_SIZE = 2048
+
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def _training_text() -> list[str]:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(stdlib.glob("*.py"))[:40]
+    return [f.read_text(errors="ignore") for f in files]
+
+
+@functools.lru_cache(maxsize=1)
+def _tokenizer_json() -> str:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(_training_text(), trainer=trainer)
+    return tok.to_str()
+
+
+def write_tokenizer(folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "tokenizer.json").write_text(_tokenizer_json())
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "chat_template": CHATML_TEMPLATE,
+        "model_max_length": 512,
+        "clean_up_tokenization_spaces": False,
+    }))
+    (folder / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}))
+
+
+def tiny_config(arch: str = "llama", **overrides):
+    import transformers
+
+    common = dict(
+        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+        bos_token_id=0, eos_token_id=2, pad_token_id=0,
+    )
+    common.update(overrides)
+    if arch == "llama":
+        return transformers.LlamaConfig(**common)
+    if arch == "mistral":
+        return transformers.MistralConfig(sliding_window=None, **common)
+    if arch == "qwen2":
+        return transformers.Qwen2Config(**common)
+    if arch == "qwen3":
+        return transformers.Qwen3Config(head_dim=16, **common)
+    raise ValueError(f"unknown tiny arch {arch!r}")
+
+
+def build_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+    """Save a tiny random model of the given family, with the local tokenizer, into folder."""
+    import torch
+    import transformers
+
+    folder = Path(folder)
+    if (folder / "model.safetensors").exists():
+        return folder
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(arch, **overrides), dtype=torch.float32)
+    model.save_pretrained(folder)
+    write_tokenizer(folder)
+    return folder
+
+
+def hf_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Reference: transformers' greedy generate in float32, one prompt at a time (no padding effects)."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model.eval()
+    outs = []
+    with torch.no_grad():
+        for ids in prompts:
+            x = torch.tensor([ids])
+            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)
+            outs.append(y[0, len(ids):].tolist())
+    return outs
