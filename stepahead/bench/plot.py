@@ -1,0 +1,109 @@
+"""Two-lane timeline plots (engine above worker) for a window of steady-state steps, one run per row.
+
+With the synchronous scheduler the worker lane has a gap after every forward pass while the engine
+schedules and processes outputs; with the step-ahead scheduler those spans move under the next
+forward pass and the worker lane is solid. Every row shares one time axis, so a faster run ends
+visibly earlier.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; never a display
+
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
+
+from stepahead.bench.trace import LANES, Span, busy_seconds, forward_spans  # noqa: E402
+
+# Fixed colours for the spans the engine emits; anything else takes the next colour of the cycle.
+KNOWN_COLORS = {
+    "schedule": "#4c72b0",
+    "update_from_output": "#dd8452",
+    "process_outputs": "#c44e52",
+    "output_processing": "#c44e52",
+    "prepare_inputs": "#8172b3",
+    "forward": "#55a868",
+    "sample": "#937860",
+}
+EXTRA_COLORS = ["#da8bc3", "#8c8c8c", "#ccb974", "#64b5cd", "#2f4b7c"]
+
+
+@dataclass
+class Window:
+    """The slice of one run that is drawn: num_steps forward passes from the middle of the run."""
+
+    start: float
+    end: float
+    num_steps: int
+
+    @property
+    def length(self) -> float:
+        return self.end - self.start
+
+
+def steady_window(spans: Sequence[Span], num_steps: int) -> Window:
+    """num_steps consecutive forward passes centred in the run (skips start-up and drain)."""
+    fwd = forward_spans(spans)
+    if not fwd:
+        raise ValueError("trace has no worker 'forward' span: was the engine built with trace=True?")
+    n = max(1, min(num_steps, len(fwd)))
+    first = max(0, (len(fwd) - n) // 2)
+    chosen = fwd[first:first + n]
+    # Start a little before the first forward so the engine work that prepared it shows.
+    step = chosen[-1].end - chosen[0].start
+    lead = step / (2 * n) if n > 1 else chosen[0].duration * 0.25
+    return Window(chosen[0].start - lead, chosen[-1].end, n)
+
+
+def _color_for(name: str, assigned: dict[str, str]) -> str:
+    if name not in assigned:
+        assigned[name] = KNOWN_COLORS.get(name, EXTRA_COLORS[len(assigned) % len(EXTRA_COLORS)])
+    return assigned[name]
+
+
+def plot_timelines(
+    runs: Sequence[tuple[str, Sequence[Span]]],
+    path: str | Path,
+    num_steps: int = 8,
+    title: str | None = None,
+) -> Path:
+    """Draw each run's engine and worker lanes over num_steps steady-state steps into a PNG."""
+    if not runs:
+        raise ValueError("plot_timelines needs at least one run")
+    windows = [steady_window(spans, num_steps) for _, spans in runs]
+    xmax_ms = max(w.length for w in windows) * 1e3
+    fig, axes = plt.subplots(len(runs), 1, figsize=(12, 1.9 * len(runs) + 0.8), squeeze=False)
+    colors: dict[str, str] = {}
+    for ax, (label, spans), win in zip(axes[:, 0], runs, windows, strict=True):
+        for row, lane in enumerate(reversed(LANES)):  # worker at the bottom, engine on top
+            for s in spans:
+                if s.lane != lane or s.end < win.start or s.start > win.end:
+                    continue
+                a, b = max(s.start, win.start), min(s.end, win.end)
+                ax.broken_barh([((a - win.start) * 1e3, (b - a) * 1e3)], (row - 0.35, 0.7),
+                               facecolors=_color_for(s.name, colors), edgecolor="white", linewidth=0.3)
+        busy = busy_seconds(spans, "worker", win.start, win.end) / win.length if win.length > 0 else 0.0
+        ms_per_step = win.length * 1e3 / win.num_steps
+        ax.set_title(f"{label}: worker busy {busy:.0%} of the window, {ms_per_step:.1f} ms/step",
+                     loc="left", fontsize=10)
+        ax.set_yticks(range(len(LANES)), list(reversed(LANES)))
+        ax.set_ylim(-0.6, len(LANES) - 0.4)
+        ax.set_xlim(0, xmax_ms)
+        ax.grid(axis="x", alpha=0.3)
+    axes[-1, 0].set_xlabel("time in window (ms)")
+    handles = [Patch(color=c, label=n) for n, c in colors.items()]
+    fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 7), fontsize=9, frameon=False)
+    if title:
+        fig.suptitle(title, fontsize=11)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
