@@ -1,0 +1,212 @@
+"""LLM: offline generation and chat. The engine loop runs in the caller's process (DESIGN.md, Offline API)."""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+from stepahead.config import EngineArgs
+from stepahead.engine.input_processor import InputProcessor, PromptType
+from stepahead.engine.output_processor import OutputProcessor, RequestOutputKind
+from stepahead.outputs import EngineStats, RequestOutput
+from stepahead.request import Request
+from stepahead.sampling_params import SamplingParams
+
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    """vLLM-compatible offline API. LLM(model=None, **EngineArgs fields); model=None is the built-in model."""
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        from stepahead.engine.core import EngineCore
+        from stepahead.executor import make_executor
+        from stepahead.models.loader import load_tokenizer
+
+        unknown = sorted(set(kwargs) - set(EngineArgs.field_names()))
+        if unknown:
+            raise TypeError(f"LLM() got unknown engine arguments {unknown}; valid ones: {EngineArgs.field_names()}")
+        self.engine_args = EngineArgs(model=model, **kwargs)
+        self.config = self.engine_args.create_engine_config()
+        self.tokenizer = load_tokenizer(self.config.model_config)
+        self.input_processor = InputProcessor(self.config.model_config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        executor = make_executor(self.config)
+        try:
+            self.engine_core = EngineCore(self.config, executor)
+        except BaseException:
+            executor.shutdown()
+            raise
+        self._executor = executor
+        self._request_counter = itertools.count()
+        self._dead: BaseException | None = None
+        # Garbage collection shuts the engine down too (never leaves a worker process behind).
+        self._finalizer = weakref.finalize(self, _shutdown, self.engine_core, executor)
+
+    # -- public API ---------------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in input order."""
+        prompt_list = _as_prompt_list(prompts)
+        params_list = self._params_list(sampling_params, len(prompt_list))
+        return self._run(prompt_list, params_list, use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} dicts) or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.apply_chat_template(c, add_generation_prompt, chat_template_kwargs) for c in conversations]
+        params_list = self._params_list(sampling_params, len(prompts))
+        return self._run(prompts, params_list, use_tqdm)
+
+    def apply_chat_template(
+        self,
+        conversation: Conversation,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """A prompt dict (token ids and text) for one conversation, rendered by the tokenizer's template."""
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
+        text = self.tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+            **(chat_template_kwargs or {}),
+        )
+        # The template already holds any special tokens the model expects; do not add a BOS twice.
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return {"prompt_token_ids": ids, "prompt": text}
+
+    def stats(self) -> EngineStats:
+        return self.engine_core.get_stats()
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # -- the engine loop ------------------------------------------------------------------------------
+
+    def _params_list(self, params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * n
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        params = list(params)
+        if len(params) != n:
+            raise ValueError(f"sampling_params must be one SamplingParams or one per prompt ({n}), got {len(params)}")
+        return params
+
+    def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        self._check_alive()
+        # Validate every prompt before adding any, so a bad one leaves the engine untouched.
+        batch: list[tuple[str, list[Request], str | None]] = []
+        for prompt, sp in zip(prompts, params, strict=True):
+            request_id = str(next(self._request_counter))
+            reqs, text = self.input_processor.process(request_id, prompt, sp)
+            batch.append((request_id, reqs, text))
+        order = {request_id: i for i, (request_id, _, _) in enumerate(batch)}
+        results: list[RequestOutput | None] = [None] * len(batch)
+        added: list[str] = []
+        try:
+            for request_id, reqs, text in batch:
+                self.output_processor.add_request(request_id, reqs, text, RequestOutputKind.FINAL_ONLY)
+                added.append(request_id)
+                for req in reqs:
+                    self.engine_core.add_request(req)
+            with _progress(len(batch), use_tqdm) as bar:
+                while self.output_processor.has_unfinished_requests():
+                    for ro in self._step():
+                        results[order[ro.request_id]] = ro
+                        bar.update(1)
+        except BaseException:
+            # KeyboardInterrupt or an engine failure: leave no request of this call behind.
+            self._abort([rid for rid in added if results[order[rid]] is None])
+            raise
+        return results  # type: ignore[return-value]
+
+    def _step(self) -> list[RequestOutput]:
+        from stepahead.engine.core import EngineDeadError
+
+        if not self.engine_core.has_work():
+            raise RuntimeError("stepahead engine has no work but requests are unfinished (engine bug)")
+        try:
+            outputs = self.engine_core.step()
+        except EngineDeadError as e:
+            self._dead = e
+            raise RuntimeError(f"stepahead engine died: {e}") from e
+        except Exception as e:  # the engine's state is unknown after a failed step: never reuse it
+            self._dead = e
+            raise RuntimeError(f"stepahead engine failed in step(): {e!r}") from e
+        request_outputs, to_abort = self.output_processor.process_outputs(outputs)
+        if to_abort:  # stop strings: the frontend finished these, the engine still runs them
+            self.engine_core.abort_requests(to_abort)
+        return request_outputs
+
+    def _abort(self, request_ids: list[str]) -> None:
+        engine_ids = [eid for rid in request_ids for eid in self.output_processor.abort_request(rid)]
+        if engine_ids and self._dead is None:
+            self.engine_core.abort_requests(engine_ids)
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise RuntimeError(f"stepahead engine died earlier and cannot serve requests: {self._dead}")
+        if not self._finalizer.alive:
+            raise RuntimeError("this LLM was shut down")
+
+
+def _shutdown(engine_core: Any, executor: Any) -> None:
+    try:
+        engine_core.shutdown()
+    finally:
+        executor.shutdown()
+
+
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    """str, dict or token ids -> one prompt; a list of those -> many. A list of ints is one prompt."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        return [prompts]
+    if not prompts:
+        raise ValueError("prompts must not be empty")
+    return prompts
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def __enter__(self) -> _NoBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+def _progress(total: int, enabled: bool) -> Any:
+    if not enabled:
+        return _NoBar()
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="Processed prompts", unit="req", dynamic_ncols=True)

@@ -1,0 +1,267 @@
+"""EngineCoreOutputs -> RequestOutputs: incremental detokenization, stop strings, logprobs, n > 1.
+
+Runs in the frontend (the LLM's process, or the API server), never in the engine's hot loop.
+Stop strings are found here, on text; the engine is then told to abort the request (engine-spec §1.8).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from stepahead.core.sched_output import EngineCoreOutput, TokenLogprobs
+from stepahead.outputs import CompletionOutput, Logprob, RequestOutput
+from stepahead.request import Request
+from stepahead.sampling_params import SamplingParams
+
+# Prompt tokens decoded in front of the first output token, so that a leading space or a
+# multi-byte character that started in the prompt comes out right.
+_PROMPT_CONTEXT_TOKENS = 5
+
+
+class RequestOutputKind(enum.Enum):
+    CUMULATIVE = 0  # every RequestOutput holds everything so far
+    DELTA = 1  # only what is new since the last one (streaming)
+    FINAL_ONLY = 2  # one RequestOutput, when the request has finished
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text, emitting only complete characters.
+
+    Decodes a short window twice (before and after the new tokens) and emits the difference; a
+    window ending in U+FFFD is an incomplete UTF-8 sequence (byte-level BPE splits characters
+    across tokens) and waits for the next token.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._ids = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+
+    def append(self, token_ids: list[int]) -> str:
+        if not token_ids:
+            return ""
+        self._ids.extend(token_ids)
+        decode = self._tokenizer.decode
+        prefix_text = decode(self._ids[self._prefix_offset:self._read_offset], skip_special_tokens=self._skip)
+        full_text = decode(self._ids[self._prefix_offset:], skip_special_tokens=self._skip)
+        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
+            return ""
+        # Keep the window short: it restarts at the tokens just emitted.
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        return full_text[len(prefix_text):]
+
+
+@dataclass
+class _Completion:
+    """One child (engine request) of a parent request."""
+
+    index: int
+    engine_id: str
+    params: SamplingParams
+    detok: IncrementalDetokenizer
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    # What the last DELTA output already carried.
+    sent_text: int = 0
+    sent_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def visible_text_len(self) -> int:
+        """While unfinished, hold back text a stop string may still begin in (it would be cut)."""
+        if self.finished or not self.params.stop:
+            return len(self.text)
+        hold = max(len(s) for s in self.params.stop) - 1
+        return max(self.sent_text, len(self.text) - hold)
+
+
+@dataclass
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    kind: RequestOutputKind
+    children: list[_Completion]
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.children)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._parents: dict[str, _Parent] = {}
+        self._children: dict[str, tuple[_Parent, _Completion]] = {}  # engine request id -> owner
+
+    def add_request(
+        self,
+        request_id: str,
+        engine_requests: list[Request],
+        prompt: str | None,
+        output_kind: RequestOutputKind,
+    ) -> None:
+        if request_id in self._parents:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        prompt_ids = engine_requests[0].prompt_token_ids
+        children = []
+        for index, req in enumerate(engine_requests):
+            params = req.sampling_params
+            children.append(_Completion(
+                index=index,
+                engine_id=req.request_id,
+                params=params,
+                detok=IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens),
+                logprobs=[] if params.logprobs is not None else None,
+            ))
+        parent = _Parent(request_id, prompt, prompt_ids, output_kind, children)
+        self._parents[request_id] = parent
+        for child in children:
+            self._children[child.engine_id] = (parent, child)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._parents)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._parents)
+
+    def abort_request(self, request_id: str) -> list[str]:
+        parent = self._parents.pop(request_id, None)
+        if parent is None:
+            return []
+        for child in parent.children:
+            self._children.pop(child.engine_id, None)
+        return [c.engine_id for c in parent.children if not c.finished]
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """RequestOutputs keyed by parent id, in order of first appearance; engine ids to abort."""
+        changed: dict[str, tuple[_Parent, set[int]]] = {}
+        to_abort: list[str] = []
+        for out in outputs:
+            owner = self._children.get(out.request_id)
+            if owner is None:
+                continue  # aborted, or already finished here by a stop string
+            parent, child = owner
+            if out.num_cached_tokens:
+                parent.num_cached_tokens = out.num_cached_tokens
+            if self._update_child(child, out):
+                to_abort.append(child.engine_id)
+            if child.finished:
+                del self._children[child.engine_id]
+            changed.setdefault(parent.request_id, (parent, set()))[1].add(child.index)
+
+        results = []
+        for parent, indices in changed.values():
+            finished = parent.finished
+            if finished:
+                del self._parents[parent.request_id]
+            ro = self._make_output(parent, indices, finished)
+            if ro is not None:
+                results.append(ro)
+        return results, to_abort
+
+    # -- per child --------------------------------------------------------------------------------
+
+    def _update_child(self, child: _Completion, out: EngineCoreOutput) -> bool:
+        """Apply one step's news; True when a stop string finished a request the engine still runs."""
+        new_ids = out.new_token_ids
+        child.token_ids.extend(new_ids)
+        if child.logprobs is not None and out.new_logprobs:
+            child.logprobs.extend(self._logprob_dict(lp) for lp in out.new_logprobs)
+        # A stop token (EOS or stop_token_ids) ends the output but is not part of its text.
+        stopped_on_token = out.finish_reason == "stop" and not isinstance(out.stop_reason, str)
+        text_ids = new_ids
+        if stopped_on_token and new_ids and not child.params.include_stop_str_in_output:
+            text_ids = new_ids[:-1]
+        old_len = len(child.text)
+        child.text += child.detok.append(text_ids)
+        if not stopped_on_token and child.params.stop and self._check_stop_strings(child, old_len):
+            return not out.finished
+        if out.finished:
+            child.finish_reason = out.finish_reason
+            child.stop_reason = out.stop_reason
+        return False
+
+    @staticmethod
+    def _check_stop_strings(child: _Completion, old_len: int) -> bool:
+        """Finish the child on the earliest stop string in its new text; truncate the text there."""
+        best: tuple[int, str] | None = None
+        for stop in child.params.stop:
+            pos = child.text.find(stop, max(0, old_len - len(stop) + 1))
+            if pos >= 0 and (best is None or pos < best[0]):
+                best = (pos, stop)
+        if best is None:
+            return False
+        pos, stop = best
+        end = pos + len(stop) if child.params.include_stop_str_in_output else pos
+        child.text = child.text[:end]
+        child.finish_reason = "stop"
+        child.stop_reason = stop
+        return True
+
+    def _logprob_dict(self, lp: TokenLogprobs) -> dict[int, Logprob]:
+        """The sampled token (first, with its true rank) plus the top-N ranked 1..N."""
+        decode = self.tokenizer.decode
+        sampled = lp.token_ids[0]
+        entries = {sampled: Logprob(lp.logprobs[0], lp.sampled_rank, decode([sampled]))}
+        for rank, (tid, value) in enumerate(zip(lp.token_ids[1:], lp.logprobs[1:], strict=True), start=1):
+            if tid not in entries:
+                entries[tid] = Logprob(value, rank, decode([tid]))
+        return entries
+
+    # -- assembly ----------------------------------------------------------------------------------
+
+    def _make_output(self, parent: _Parent, changed: set[int], finished: bool) -> RequestOutput | None:
+        kind = parent.kind
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        if kind is RequestOutputKind.DELTA:
+            completions = [self._delta(c) for c in parent.children if c.index in changed]
+        else:
+            completions = [self._cumulative(c) for c in parent.children]
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=completions,
+            finished=finished,
+            num_cached_tokens=parent.num_cached_tokens,
+        )
+
+    @staticmethod
+    def _cumulative(c: _Completion) -> CompletionOutput:
+        return CompletionOutput(
+            index=c.index,
+            text=c.text[:c.visible_text_len()],
+            token_ids=list(c.token_ids),
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+            logprobs=None if c.logprobs is None else list(c.logprobs),
+        )
+
+    @staticmethod
+    def _delta(c: _Completion) -> CompletionOutput:
+        visible = c.visible_text_len()
+        text = c.text[c.sent_text:visible]
+        tokens = c.token_ids[c.sent_tokens:]
+        logprobs = None if c.logprobs is None else c.logprobs[c.sent_tokens:]
+        c.sent_text, c.sent_tokens = visible, len(c.token_ids)
+        return CompletionOutput(
+            index=c.index,
+            text=text,
+            token_ids=tokens,
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+            logprobs=logprobs,
+        )

@@ -1,0 +1,215 @@
+"""MultiprocExecutor: the ModelRunner in a spawned worker process.
+
+On CPU only a separate process truly overlaps the engine's Python bookkeeping with the forward pass
+(reference/environment.md). Calls go down one pipe in order; a reader thread takes the results off
+the other pipe and resolves the oldest pending future with each. The reader also watches the process
+sentinel, so a worker that dies resolves every pending future with an error instead of a hang.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import sys
+import threading
+from collections import deque
+from concurrent.futures import Future
+from multiprocessing.connection import wait
+from typing import Any
+
+from stepahead.config import EngineConfig
+from stepahead.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from stepahead.executor.abstract import Executor
+from stepahead.executor.worker_proc import worker_main
+
+_SHUTDOWN_GRACE_S = 5.0
+
+
+def default_worker_threads(device: str) -> int:
+    """Torch threads for the worker: every core but one, which is left to the engine's bookkeeping.
+
+    Measured on the 2-core build machines with the built-in model (benchmarks/offline_throughput.py):
+    1 worker thread overlapped with the engine process beats 2 threads contending with it.
+    """
+    if device != "cpu":
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores - 1)
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.num_threads = config.num_threads or default_worker_threads(config.device)
+        ctx = multiprocessing.get_context("spawn")
+        calls_r, self._calls = ctx.Pipe(duplex=False)
+        self._results, results_w = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(target=worker_main, name="stepahead-worker", daemon=True,
+                                 args=(config, self.num_threads, calls_r, results_w))
+        with _main_module_hidden():
+            self._proc.start()
+        # Only the worker holds these ends now, so its exit closes them.
+        calls_r.close()
+        results_w.close()
+        self._lock = threading.Lock()  # guards _pending, _error, _closed and the order of sends
+        self._pending: deque[Future] = deque()
+        self._error: RuntimeError | None = None
+        self._closed = False
+        try:
+            self._wait_ready()
+        except BaseException:
+            self._stop_process()
+            raise
+        self._reader = threading.Thread(target=self._read_results, name="stepahead-executor-reader", daemon=True)
+        self._reader.start()
+
+    # -- Executor API ---------------------------------------------------------------------------
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput | None]:
+        return self._submit("execute_model", scheduler_output)
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> Future[ModelRunnerOutput]:
+        return self._submit("sample_tokens", grammar_output)
+
+    def check_health(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if not self._closed and not self._proc.is_alive():
+            raise RuntimeError(self._death_message())
+
+    @property
+    def worker_pid(self) -> int | None:
+        return self._proc.pid
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            with contextlib.suppress(OSError, ValueError):
+                self._calls.send(("shutdown", None))
+        self._stop_process()
+        self._fail_pending(RuntimeError("stepahead executor was shut down"))
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _submit(self, method: str, arg: Any) -> Future:
+        fut: Future = Future()
+        with self._lock:
+            if self._error is not None or self._closed:
+                fut.set_exception(self._error or RuntimeError("stepahead executor was shut down"))
+                return fut
+            self._pending.append(fut)
+            try:
+                self._calls.send((method, arg))
+                return fut
+            except (OSError, ValueError) as e:  # broken pipe: the worker is gone
+                err = RuntimeError(f"{self._death_message()} (sending {method} failed: {e!r})")
+        self._set_dead(err)
+        return fut
+
+    def _wait_ready(self) -> None:
+        while True:
+            ready = wait([self._results, self._proc.sentinel])
+            if self._results in ready:
+                try:
+                    kind, payload = self._results.recv()
+                except (EOFError, OSError):
+                    kind, payload = "died", None
+                if kind == "ready":
+                    return
+                if kind == "error":
+                    raise RuntimeError(f"stepahead worker process failed to start: {payload}")
+            self._proc.join(timeout=_SHUTDOWN_GRACE_S)
+            raise RuntimeError(
+                f"stepahead worker process exited during startup ({_exit_text(self._proc.exitcode)}). "
+                "The worker is started with multiprocessing 'spawn'; if it failed while importing your "
+                "script, guard the script's entry point with `if __name__ == '__main__':`."
+            )
+
+    def _read_results(self) -> None:
+        while True:
+            ready = wait([self._results, self._proc.sentinel])
+            if self._results in ready:
+                try:
+                    kind, payload = self._results.recv()
+                except (EOFError, OSError):
+                    kind, payload = "died", None
+                if kind == "ok":
+                    with self._lock:
+                        fut = self._pending.popleft() if self._pending else None
+                    if fut is not None:
+                        fut.set_result(payload)
+                    continue
+                if kind == "error":
+                    self._set_dead(RuntimeError(f"stepahead worker process failed: {payload}"))
+                    return
+            # The pipe closed or the process is gone; results it sent before dying were read above.
+            if self._closed:
+                return
+            self._proc.join(timeout=_SHUTDOWN_GRACE_S)
+            self._set_dead(RuntimeError(self._death_message()))
+            return
+
+    def _death_message(self) -> str:
+        return f"stepahead worker process (pid {self._proc.pid}) died unexpectedly ({_exit_text(self._proc.exitcode)})"
+
+    def _set_dead(self, err: RuntimeError) -> None:
+        with self._lock:
+            if self._error is None:
+                self._error = err
+        self._fail_pending(self._error)
+
+    def _fail_pending(self, err: BaseException) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, deque()
+        for fut in pending:
+            if not fut.done():
+                fut.set_exception(err)
+
+    def _stop_process(self) -> None:
+        """Join the worker; terminate, then kill, one that does not exit on its own. No orphans."""
+        self._proc.join(timeout=_SHUTDOWN_GRACE_S)
+        if self._proc.is_alive():
+            self._proc.terminate()
+            self._proc.join(timeout=_SHUTDOWN_GRACE_S)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join()
+        reader = getattr(self, "_reader", None)
+        if reader is not None and reader is not threading.current_thread():
+            reader.join()  # it returns once it sees the process gone; only then close its pipe
+        for conn in (self._calls, self._results):
+            with contextlib.suppress(OSError):
+                conn.close()
+
+
+def _exit_text(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+@contextlib.contextmanager
+def _main_module_hidden():
+    """Keep spawn from re-running the caller's main script in the worker.
+
+    spawn re-imports `__main__` in the child, so a script calling LLM() at top level without an
+    `if __name__ == "__main__":` guard would start a second engine there. The worker needs nothing
+    from the caller's script, so the main module's file and spec are hidden while the process starts.
+    """
+    main = sys.modules.get("__main__")
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if main is not None and k in main.__dict__}
+    try:
+        for k in saved:
+            if k == "__file__":
+                del main.__dict__[k]
+            else:
+                main.__dict__[k] = None
+        yield
+    finally:
+        for k, v in saved.items():
+            main.__dict__[k] = v

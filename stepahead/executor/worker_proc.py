@@ -1,0 +1,48 @@
+"""The worker process of MultiprocExecutor: a ModelRunner serving calls from a pipe, in order.
+
+Protocol (pickled tuples). In: ("execute_model", SchedulerOutput), ("sample_tokens", GrammarOutput),
+("shutdown", None). Out: ("ready", None) once the model is loaded, then one ("ok", output) per call,
+in call order; ("error", traceback text) on a failure, after which the process exits. A closed
+input pipe (the engine process is gone) also ends the process, so a worker never outlives its engine.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from multiprocessing.connection import Connection
+
+from stepahead.config import EngineConfig
+from stepahead.executor.uni import StepTimer
+
+EXIT_ON_ERROR = 3
+
+
+def worker_main(config: EngineConfig, num_threads: int, calls: Connection, results: Connection) -> None:
+    try:
+        import torch
+
+        torch.set_num_threads(num_threads)
+        from stepahead.worker.model_runner import ModelRunner
+
+        runner = ModelRunner(config)
+    except BaseException:  # noqa: BLE001 - reported to the engine, which raises it to the user
+        results.send(("error", f"loading the model failed:\n{traceback.format_exc()}"))
+        raise SystemExit(EXIT_ON_ERROR) from None
+    results.send(("ready", None))
+    timer = StepTimer()
+    handlers = {"execute_model": runner.execute_model, "sample_tokens": runner.sample_tokens}
+    while True:
+        try:
+            method, arg = calls.recv()
+        except (EOFError, OSError):
+            return  # the engine process closed the pipe or died
+        if method == "shutdown":
+            return
+        started = time.perf_counter()
+        try:
+            out = timer.record(started, handlers[method](arg))
+        except BaseException:  # noqa: BLE001 - the state is unknown after a failure: report and exit
+            results.send(("error", f"{method} raised:\n{traceback.format_exc()}"))
+            raise SystemExit(EXIT_ON_ERROR) from None
+        results.send(("ok", out))
