@@ -1,0 +1,119 @@
+"""GGUF checkpoints: config from metadata, tensors dequantized and renamed to the HF layout.
+
+llama.cpp's converter permutes the rows of Q and K for Llama-style models (its RoPE pairs adjacent
+dimensions, HF checkpoints pair the two halves); we undo that so one model implementation serves both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                      "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# Architectures whose converter permutes Q/K rows.
+_PERMUTED = {"llama", "mistral"}
+
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+}
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def _open(path: str):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # the reader raises assorted errors on truncated or foreign files
+        raise ValueError(f"model {path!r} is not a readable GGUF file: {e}") from e
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def read_gguf_config(path: str) -> tuple[str, dict]:
+    """(architecture, config.json-style dict) from a GGUF file's metadata."""
+    reader = _open(path)
+    arch = _field(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(GGUF_ARCHITECTURES)})")
+    names = {t.name for t in reader.tensors}
+    heads = int(_field(reader, f"{arch}.attention.head_count"))
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = _field(reader, f"{arch}.vocab_size") or (len(tokens.data) if tokens is not None else None)
+    if vocab is None:
+        vocab = next(t.shape[1] for t in reader.tensors if t.name == "token_embd.weight")
+    cfg = {
+        "architectures": [GGUF_ARCHITECTURES[arch]],
+        "gguf_arch": arch,
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(_field(reader, f"{arch}.block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 2048)),
+        "tie_word_embeddings": "output.weight" not in names,
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+    }
+    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    if scaling == "linear":
+        cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(_field(reader, f"{arch}.rope.scaling.factor"))}
+    elif scaling not in (None, "none"):
+        raise ValueError(f"GGUF rope scaling {scaling!r} is not supported")
+    return GGUF_ARCHITECTURES[arch], cfg
+
+
+def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Inverse of llama.cpp's permute(): rows (head, pair, half) back to (head, half, pair)."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def hf_name(name: str) -> str | None:
+    parts = name.split(".")
+    if parts[0] == "blk":
+        base = _LAYER_NAMES.get(parts[2])
+        return None if base is None else f"model.layers.{parts[1]}.{base}.{parts[3]}"
+    base = _GLOBAL_NAMES.get(parts[0])
+    return None if base is None else f"{base}.{parts[1]}"
+
+
+def iter_gguf_weights(path: str, cfg: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 tensor) for every tensor of the file, dequantized and un-permuted."""
+    from gguf.quants import dequantize
+
+    reader = _open(path)
+    permute = cfg.get("gguf_arch") in _PERMUTED
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None:
+            if t.name.startswith("rope_freqs"):
+                continue
+            raise ValueError(f"GGUF tensor {t.name!r} has no known mapping")
+        shape = tuple(int(d) for d in reversed(t.shape))
+        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+        if permute and name.endswith("self_attn.q_proj.weight"):
+            w = unpermute_qk(w, cfg["num_attention_heads"])
+        elif permute and name.endswith("self_attn.k_proj.weight"):
+            w = unpermute_qk(w, cfg["num_key_value_heads"])
+        yield name, torch.from_numpy(np.ascontiguousarray(w))
+
+
+def gguf_tokenizer_location(path: str) -> tuple[str, str]:
+    p = Path(path)
+    return str(p.parent), p.name

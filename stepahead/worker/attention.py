@@ -1,0 +1,137 @@
+"""Paged KV cache and attention over it for a mixed prefill + decode batch (torch SDPA, CPU and CUDA).
+
+Layout: one K and one V tensor per layer, shaped [num_blocks, block_size, num_kv_heads, head_dim], so a
+request's context is gathered block-wise with a single `index_select(out=...)` into a reusable buffer.
+
+The flattened batch is ordered by the model runner as: single-token rows first (decodes, and one-token
+prefill chunks), then multi-token rows. Single-token rows are attended in one padded SDPA call; each
+multi-token row gets its own call (there are few per step), causal within its new tokens and full over
+its cached prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillRow:
+    """One multi-token row of the batch: tokens [start, end) of the flattened batch."""
+
+    start: int
+    end: int
+    context_len: int  # tokens already in the cache before this step
+    block_table: torch.Tensor | None  # [num_blocks] long; None when context_len == 0 (no gather needed)
+    mask: torch.Tensor | None  # [1, 1, n, context_len + n] bool; None when context_len == 0 (plain causal)
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs for one step; built by the model runner, passed down explicitly."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] long: flat slot (block * block_size + offset) of each new token
+    num_decode: int  # the first num_decode tokens are single-token rows
+    decode_block_table: torch.Tensor | None  # [num_decode, max_blocks] long (padding points at null block 0)
+    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_blocks * block_size] bool: key is valid
+    prefills: list[PrefillRow] = field(default_factory=list)
+
+
+class KVGatherBuffer:
+    """Reusable scratch for gathered K/V; grows when a step needs more, never shrinks (no per-step alloc)."""
+
+    def __init__(self, block_elems: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        self.block_elems = block_elems
+        self.dtype = dtype
+        self.device = device
+        self.k = torch.empty(0, block_elems, dtype=dtype, device=device)
+        self.v = torch.empty(0, block_elems, dtype=dtype, device=device)
+
+    def get(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.k.shape[0] < num_blocks:
+            cap = max(num_blocks, 2 * self.k.shape[0])
+            self.k = torch.empty(cap, self.block_elems, dtype=self.dtype, device=self.device)
+            self.v = torch.empty(cap, self.block_elems, dtype=self.dtype, device=self.device)
+        return self.k[:num_blocks], self.v[:num_blocks]
+
+
+class PagedKVCache:
+    """The KV tensors of every layer plus the gather scratch they share."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.scratch = KVGatherBuffer(block_size * num_kv_heads * head_dim, dtype, device)
+
+    def layer(self, i: int) -> LayerKV:
+        return LayerKV(self.k[i], self.v[i], self.scratch)
+
+
+@dataclass
+class LayerKV:
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    scratch: KVGatherBuffer
+
+
+def write_kv(kv: LayerKV, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store the new tokens' K/V ([num_tokens, kv_heads, head_dim]) at their slots."""
+    nkv, hd = k.shape[1], k.shape[2]
+    kv.k_cache.view(-1, nkv, hd).index_copy_(0, slot_mapping, k)
+    kv.v_cache.view(-1, nkv, hd).index_copy_(0, slot_mapping, v)
+
+
+def _gather(kv: LayerKV, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V of the blocks in block_table ([rows, nb] or [nb]) as [rows, nb * block_size, kv_heads, head_dim]."""
+    flat = block_table.reshape(-1)
+    kbuf, vbuf = kv.scratch.get(flat.shape[0])
+    nb_total = kv.k_cache.shape[0]
+    torch.index_select(kv.k_cache.view(nb_total, -1), 0, flat, out=kbuf)
+    torch.index_select(kv.v_cache.view(nb_total, -1), 0, flat, out=vbuf)
+    rows = block_table.shape[0] if block_table.dim() == 2 else 1
+    shape = (rows, -1, kv.k_cache.shape[2], kv.k_cache.shape[3])
+    return kbuf.view(shape), vbuf.view(shape)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q [T, heads, hd], k/v [T, kv_heads, hd] for the new tokens -> attention output [T, heads, hd].
+
+    Writes the new K/V into the cache first, so every row reads its own new tokens from there too.
+    """
+    write_kv(kv, k, v, meta.slot_mapping)
+    num_tokens, num_heads, hd = q.shape
+    nkv = k.shape[1]
+    group = num_heads // nkv
+    out = torch.empty_like(q)
+    nd = meta.num_decode
+    if nd:
+        # Grouped-query trick: the `group` query heads that share a KV head become `group` query rows,
+        # so no K/V repeat is needed and one mask row serves them all.
+        kd, vd = _gather(kv, meta.decode_block_table)
+        qd = q[:nd].view(nd, nkv, group, hd)
+        o = F.scaled_dot_product_attention(qd, kd.transpose(1, 2), vd.transpose(1, 2),
+                                           attn_mask=meta.decode_mask, scale=scale)
+        out[:nd] = o.reshape(nd, num_heads, hd)
+    for row in meta.prefills:
+        n = row.end - row.start
+        qp = q[row.start:row.end].transpose(0, 1).unsqueeze(0)  # [1, heads, n, hd]
+        if row.block_table is None:
+            kp = k[row.start:row.end].transpose(0, 1).unsqueeze(0)
+            vp = v[row.start:row.end].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=group > 1)
+        else:
+            kc, vc = _gather(kv, row.block_table)
+            total = row.context_len + n
+            kp = kc[:, :total].transpose(1, 2)
+            vp = vc[:, :total].transpose(1, 2)
+            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=row.mask, scale=scale, enable_gqa=group > 1)
+        out[row.start:row.end] = o[0].transpose(0, 1)
+    return out

@@ -1,0 +1,77 @@
+"""Per-request worker state and the persistent host/device staging buffers for step inputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from stepahead.sampling_params import SamplingParams
+
+
+@dataclass
+class CachedRequestState:
+    """What the worker remembers about a request between steps (it only receives diffs)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # prompt + every output token this worker knows of
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    def set_history(self, all_token_ids: list[int], num_output_tokens: int | None = None) -> None:
+        keep = len(all_token_ids) if num_output_tokens is None else self.num_prompt_tokens + num_output_tokens
+        self.token_ids = list(all_token_ids[:keep])
+
+
+class StagingBuffer:
+    """One flat int64 host buffer filled region by region each step and sent to the device in one copy.
+
+    On CPU the device view *is* the host memory (no copy at all); on CUDA the host side is pinned and
+    copied with a single non-blocking transfer.
+    """
+
+    def __init__(self, capacity: int, device: torch.device) -> None:
+        self.device = device
+        self.on_cpu = device.type == "cpu"
+        self.host = torch.zeros(capacity, dtype=torch.int64, pin_memory=not self.on_cpu and torch.cuda.is_available())
+        self.np = self.host.numpy()
+        self.dev = self.host if self.on_cpu else torch.zeros(capacity, dtype=torch.int64, device=device)
+        self.used = 0
+
+    def reset(self) -> None:
+        self.used = 0
+
+    def alloc(self, n: int) -> tuple[np.ndarray, int]:
+        """Reserve n slots; returns the host numpy view and its offset."""
+        off = self.used
+        if off + n > self.np.shape[0]:
+            self._grow(off + n)
+        self.used = off + n
+        return self.np[off:off + n], off
+
+    def _grow(self, need: int) -> None:
+        cap = max(need, 2 * self.np.shape[0])
+        host = torch.zeros(cap, dtype=torch.int64, pin_memory=not self.on_cpu and torch.cuda.is_available())
+        host[: self.used] = self.host[: self.used]
+        self.host, self.np = host, host.numpy()
+        self.dev = self.host if self.on_cpu else torch.zeros(cap, dtype=torch.int64, device=self.device)
+
+    def upload(self) -> None:
+        if not self.on_cpu:
+            self.dev[: self.used].copy_(self.host[: self.used], non_blocking=True)
+
+    def view(self, off: int, n: int, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        t = self.dev[off:off + n]
+        return t if shape is None else t.view(shape)
