@@ -1,0 +1,466 @@
+"""The synchronous scheduler: schedule(), update_from_output(), preemption, stale output, frees.
+
+Follows engine-spec §2.1/§2.2 step by step. The async subclass changes only the two hooks
+_update_after_schedule and _update_request_with_output; everything else is shared.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Protocol
+
+from stepahead.config import CacheConfig, SchedulerConfig
+from stepahead.core.kv_cache import KVCacheManager
+from stepahead.core.sched_output import (
+    CachedRequestData,
+    EngineCoreOutput,
+    GrammarOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from stepahead.request import Request, RequestStatus
+
+
+class StructuredOutputBackend(Protocol):
+    """The grammar hook (§1.7). The scheduler works without one; requests then are not constrained."""
+
+    def grammar_bitmask(self, requests: list[Request]) -> Any: ...
+
+    def accept_tokens(self, request: Request, token_ids: list[int]) -> bool: ...
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.max_num_running_reqs = scheduler_config.max_num_seqs
+        self.max_num_scheduled_tokens = scheduler_config.max_num_batched_tokens
+        self.max_model_len = scheduler_config.max_model_len
+        self.kv_cache_manager = KVCacheManager(cache_config, scheduler_config.max_model_len)
+        self.structured_output_manager: StructuredOutputBackend | None = None
+
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.skipped_waiting: deque[Request] = deque()  # stale-gated; scanned before waiting
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()
+        self.reset_preempted_req_ids: set[str] = set()
+        self.prev_step_scheduled_req_ids: set[str] = set()
+        self.current_step = 0
+        self.num_preemptions = 0
+        # Step slots computed for requests that had already finished (outputs discarded).
+        self.num_wasted_request_steps = 0
+        # Finished requests with steps still in flight: id -> their in-flight tokens. Lets those
+        # steps' outputs be discarded even if the same id is re-added meanwhile.
+        self._finished_in_flight: dict[str, int] = {}
+
+        self.defer_block_free = cache_config.defer_block_free
+        self.sched_step_seq = 0
+        self.processed_step_seq = 0
+        self.deferred_frees: deque[tuple[int, list]] = deque()
+
+        self.debug_invariants = scheduler_config.debug_invariants
+        self._debug_in_flight: deque[SchedulerOutput] = deque()
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Validate first; on ValueError nothing has changed."""
+        n = request.num_prompt_tokens
+        if n == 0:
+            raise ValueError("prompt_token_ids must not be empty")
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"prompt_token_ids has {n} tokens, but the model's maximum context length is "
+                f"{self.max_model_len} tokens; the prompt must be shorter (at most "
+                f"{self.max_model_len - 1} tokens) to leave room for one output token"
+            )
+        usable = self.kv_cache_manager.num_usable_blocks * self.cache_config.block_size
+        if n + 1 > usable:
+            raise ValueError(
+                f"prompt_token_ids has {n} tokens, but the KV cache holds only {usable} tokens "
+                f"(num_blocks {self.cache_config.num_blocks} incl. the null block x block_size "
+                f"{self.cache_config.block_size}); raise num_kv_blocks"
+            )
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use by an unfinished request")
+        if request.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {request.max_tokens}")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.skipped_waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0
+
+    def has_finished_requests(self) -> bool:
+        return len(self.finished_req_ids) > 0
+
+    def has_requests(self) -> bool:
+        return self.has_unfinished_requests() or self.has_finished_requests()
+
+    # -- schedule ----------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        self.current_step += 1
+        budget = self.max_num_scheduled_tokens
+        kv = self.kv_cache_manager
+        max_model_len = self.max_model_len
+        threshold = self.scheduler_config.long_prefill_token_threshold
+        num_scheduled: dict[str, int] = {}
+        new_blocks_of: dict[str, list[int] | None] = {}
+        scheduled_running: list[Request] = []
+        scheduled_new: list[Request] = []
+        scheduled_resumed: list[Request] = []
+        preempted: list[Request] = []
+
+        # A. Running requests, in admission order.
+        running = self.running
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            ph = req.num_output_placeholders
+            comp = req.num_computed_tokens
+            # Async: the steps in flight already reach max_tokens; do not schedule past the end.
+            if ph > 0 and comp + 2 - ph >= req.num_prompt_tokens + req.max_tokens:
+                i += 1
+                continue
+            num_new = req.num_tokens_with_spec + ph - comp
+            if 0 < threshold < num_new:
+                num_new = threshold
+            num_new = min(num_new, budget, max_model_len - comp - 1)
+            if num_new <= 0:
+                i += 1
+                continue
+            new_blocks = kv.allocate_slots(req, num_new)
+            while new_blocks is None:
+                victim = running[-1]  # FCFS: the most recently admitted request
+                if not self._request_blocks_can_be_freed(victim):
+                    break  # freeing it would free nothing now; preempting would cascade (P6)
+                running.pop()
+                self._preempt_request(victim, drop_stale_output=False)
+                preempted.append(victim)
+                if victim is req:
+                    break
+                new_blocks = kv.allocate_slots(req, num_new)
+            if new_blocks is None:
+                break  # later running requests are not scheduled in this step
+            scheduled_running.append(req)
+            num_scheduled[req.request_id] = num_new
+            new_blocks_of[req.request_id] = [b.block_id for b in new_blocks] if new_blocks else None
+            budget -= num_new
+            req.spec_token_ids = []
+            i += 1
+
+        # B. Waiting requests; never in a step that preempted, and they never preempt.
+        if not preempted:
+            step_skipped: list[Request] = []
+            chunked = self.scheduler_config.enable_chunked_prefill
+            while (self.skipped_waiting or self.waiting) and budget > 0:
+                if len(running) >= self.max_num_running_reqs:
+                    break
+                queue = self.skipped_waiting if self.skipped_waiting else self.waiting
+                req = queue[0]
+                if req.num_stale_output_tokens and not req.drop_stale_output:
+                    # Deliverable stale output still in flight: resuming now could resample a
+                    # position that output later delivers.
+                    queue.popleft()
+                    step_skipped.append(req)
+                    continue
+                hit_blocks, num_hit = kv.get_computed_blocks(req)
+                num_new = req.num_tokens - num_hit
+                if 0 < threshold < num_new:
+                    num_new = threshold
+                if not chunked and num_new > budget:
+                    break
+                num_new = min(num_new, budget)
+                new_blocks = kv.allocate_slots(req, num_new, num_hit, hit_blocks)
+                if new_blocks is None:
+                    break  # head-of-line blocking
+                queue.popleft()
+                running.append(req)
+                if req.status == RequestStatus.WAITING:
+                    scheduled_new.append(req)
+                else:
+                    scheduled_resumed.append(req)
+                req.status = RequestStatus.RUNNING
+                req.num_computed_tokens = num_hit
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = num_hit
+                kv.record_prefix_lookup(req.num_tokens, num_hit)
+                num_scheduled[req.request_id] = num_new
+                budget -= num_new
+            if step_skipped:
+                self.skipped_waiting.extendleft(reversed(step_skipped))
+
+        total = self.max_num_scheduled_tokens - budget
+        assert len(running) <= self.max_num_running_reqs
+
+        # C. Assemble; CachedRequestData carries the pre-increment comp and nout + ph.
+        new_reqs_data = [
+            NewRequestData(r.request_id, r.prompt_token_ids, r.sampling_params,
+                           kv.get_block_ids(r.request_id), r.num_computed_tokens)
+            for r in scheduled_new
+        ]
+        cached = self._make_cached_request_data(scheduled_running, scheduled_resumed, new_blocks_of)
+        self.prev_step_scheduled_req_ids = set(num_scheduled)
+        out = SchedulerOutput(
+            scheduled_new_reqs=new_reqs_data,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=total,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids=self.reset_preempted_req_ids,
+            step_id=self.current_step,
+        )
+        if self.defer_block_free and total > 0:
+            self.sched_step_seq += 1
+        self._update_after_schedule(out)
+        if self.debug_invariants:
+            from stepahead.core.invariants import check_after_schedule
+
+            self._debug_in_flight.append(out)
+            check_after_schedule(self, out)
+        return out
+
+    def _make_cached_request_data(
+        self, running: list[Request], resumed: list[Request], new_blocks_of: dict[str, list[int] | None]
+    ) -> CachedRequestData:
+        data = CachedRequestData()
+        prev = self.prev_step_scheduled_req_ids
+        for req in running:
+            rid = req.request_id
+            data.req_ids.append(rid)
+            if rid not in prev:  # the worker may have dropped it from its batch
+                data.all_token_ids[rid] = list(req.all_token_ids)
+            data.new_block_ids.append(new_blocks_of[rid])
+            data.num_computed_tokens.append(req.num_computed_tokens)
+            data.num_output_tokens.append(req.num_output_tokens + req.num_output_placeholders)
+        for req in resumed:
+            rid = req.request_id
+            data.req_ids.append(rid)
+            data.resumed_req_ids.add(rid)
+            data.all_token_ids[rid] = list(req.all_token_ids)
+            data.new_block_ids.append(self.kv_cache_manager.get_block_ids(rid))  # replaces the table
+            data.num_computed_tokens.append(req.num_computed_tokens)
+            data.num_output_tokens.append(req.num_output_tokens + req.num_output_placeholders)
+        return data
+
+    def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
+        requests = self.requests
+        seq = self.sched_step_seq
+        defer = self.defer_block_free
+        has_so = False
+        for rid, n in scheduler_output.num_scheduled_tokens.items():
+            req = requests[rid]
+            req.num_computed_tokens += n
+            req.num_in_flight_tokens += n
+            if defer:
+                req.last_sched_seq = seq
+            req.is_prefill_chunk = req.num_computed_tokens < req.num_tokens + req.num_output_placeholders
+            if req.use_structured_output and not req.is_prefill_chunk:
+                has_so = True
+        scheduler_output.has_structured_output_requests = has_so
+        # Replace, never clear: the output just built holds references to these sets (P13).
+        self.finished_req_ids = set()
+        self.reset_preempted_req_ids = set()
+
+    # -- update ------------------------------------------------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        if self.debug_invariants:
+            assert self._debug_in_flight and self._debug_in_flight[0] is scheduler_output, \
+                "update_from_output must be called once per scheduled step, in FIFO order"
+            self._debug_in_flight.popleft()
+        if self.defer_block_free and scheduler_output.total_num_scheduled_tokens > 0:
+            self.processed_step_seq += 1
+            self._drain_deferred_frees()
+        outputs: list[EngineCoreOutput] = []
+        index = {rid: i for i, rid in enumerate(model_runner_output.req_ids)}
+        sampled = model_runner_output.sampled_token_ids
+        logprobs = model_runner_output.logprobs
+        finished_in_flight = self._finished_in_flight
+        stopped_running: list[Request] = []
+        stopped_preempted: list[Request] = []
+        so_manager = self.structured_output_manager
+        for rid, n in scheduler_output.num_scheduled_tokens.items():
+            left = finished_in_flight.get(rid)
+            if left is not None:  # a step computed for a request that had already finished
+                self.num_wasted_request_steps += 1
+                if left <= n:
+                    del finished_in_flight[rid]
+                else:
+                    finished_in_flight[rid] = left - n
+                continue
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            req.num_in_flight_tokens -= n
+            is_stale = False
+            if req.num_stale_output_tokens > 0:
+                is_stale = True
+                req.num_stale_output_tokens -= n
+                assert req.num_stale_output_tokens >= 0, req
+            if is_stale and req.drop_stale_output:
+                continue
+            i = index.get(rid)
+            gen = sampled[i] if i is not None else ()
+            if not gen:
+                continue  # a prefill chunk: nothing sampled, nothing emitted
+            status_before = req.status
+            first = req.num_output_tokens == 0
+            new_ids, stopped = self._update_request_with_output(req, list(gen), is_stale)
+            if new_ids and so_manager is not None and req.use_structured_output and not req.is_finished():
+                if not so_manager.accept_tokens(req, new_ids):
+                    req.status = RequestStatus.FINISHED_ERROR
+                    stopped = True
+            finish_reason = None
+            if stopped:
+                finish_reason = req.get_finished_reason()
+                self._free_request(req)
+                (stopped_running if status_before == RequestStatus.RUNNING else stopped_preempted).append(req)
+            if new_ids or stopped:
+                lps = logprobs.get(rid) if logprobs else None
+                outputs.append(EngineCoreOutput(
+                    rid, new_ids, finish_reason, req.stop_reason,
+                    new_logprobs=lps[:len(new_ids)] if lps else None,
+                    num_cached_tokens=max(req.num_cached_tokens, 0) if first else 0,
+                ))
+        if stopped_running:
+            gone = {id(r) for r in stopped_running}
+            self.running = [r for r in self.running if id(r) not in gone]
+        for req in stopped_preempted:
+            self._remove_from_waiting(req)
+        if self.debug_invariants:
+            from stepahead.core.invariants import check_scheduler
+
+            check_scheduler(self, list(self._debug_in_flight))
+        return outputs
+
+    def _update_request_with_output(
+        self, request: Request, new_token_ids: list[int], is_stale: bool = False
+    ) -> tuple[list[int], bool]:
+        """Append token by token, checking stop after each; truncate at the first stop."""
+        for k, tok in enumerate(new_token_ids):
+            request.append_output_token_ids(tok)
+            if self._check_stop(request):
+                return new_token_ids[:k + 1], True
+        return new_token_ids, False
+
+    def _check_stop(self, request: Request) -> bool:
+        """§2.2 order: min_tokens, EOS, stop_token_ids, then the length caps."""
+        params = request.sampling_params
+        if request.num_output_tokens < params.min_tokens:
+            # min_tokens cannot extend a request past the context window (that would wedge it).
+            if request.num_tokens >= self.max_model_len:
+                request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+                return True
+            return False
+        last = request.output_token_ids[-1]
+        if not params.ignore_eos and request.eos_token_id is not None and last == request.eos_token_id:
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+        if params.stop_token_ids and last in params.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = last
+            return True
+        if request.num_tokens >= self.max_model_len or request.num_output_tokens >= request.max_tokens:
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    # -- preemption, finishing, freeing -----------------------------------------------------------------
+
+    def _preempt_request(self, request: Request, drop_stale_output: bool) -> None:
+        """The caller has removed the request from running. In-flight output becomes stale."""
+        assert request.status == RequestStatus.RUNNING, request
+        self._free_request_blocks(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        # An undrained drop-mode share stays dropped: its positions have been resampled already.
+        request.drop_stale_output = drop_stale_output or (
+            request.drop_stale_output and request.num_stale_output_tokens > 0)
+        request.num_stale_output_tokens = request.num_in_flight_tokens  # assign: inflt holds any old share
+        request.num_output_placeholders = 0
+        request.is_prefill_chunk = False
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        self.reset_preempted_req_ids.add(request.request_id)
+
+    def finish_requests(self, request_ids: str | list[str], finished_status: RequestStatus) -> None:
+        """External finishes (abort). Unknown or finished ids are ignored; no output is emitted."""
+        assert RequestStatus.is_finished(finished_status)
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished():
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self._remove_from_waiting(req)
+            req.status = finished_status
+            self._free_request(req)
+
+    def _remove_from_waiting(self, request: Request) -> None:
+        for queue in (self.waiting, self.skipped_waiting):
+            try:
+                queue.remove(request)
+                return
+            except ValueError:
+                pass
+
+    def _free_request(self, request: Request) -> None:
+        rid = request.request_id
+        self.finished_req_ids.add(rid)
+        if request.num_in_flight_tokens > 0:
+            left = self._finished_in_flight.get(rid, 0)  # an earlier holder of the id may still drain
+            self._finished_in_flight[rid] = left + request.num_in_flight_tokens
+        self._free_request_blocks(request)
+        del self.requests[rid]
+
+    def _request_blocks_can_be_freed(self, request: Request) -> bool:
+        return not self.defer_block_free or request.last_sched_seq <= self.processed_step_seq
+
+    def _free_request_blocks(self, request: Request) -> None:
+        if self._request_blocks_can_be_freed(request):
+            self.kv_cache_manager.free(request)
+            return
+        blocks = self.kv_cache_manager.pop_blocks_for_free(request)
+        if blocks:
+            # Fence: the newest scheduled step, which may still write these blocks.
+            self.deferred_frees.append((self.sched_step_seq, blocks))
+
+    def _drain_deferred_frees(self) -> None:
+        deferred = self.deferred_frees
+        while deferred and deferred[0][0] <= self.processed_step_seq:
+            _, blocks = deferred.popleft()
+            self.kv_cache_manager.free_blocks(blocks)
+
+    # -- misc ---------------------------------------------------------------------------------------
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget the prefix cache; optionally preempt every running request first (drop mode)."""
+        if reset_running_requests:
+            while self.running:  # reverse order keeps FIFO order at the front of waiting
+                self._preempt_request(self.running.pop(), drop_stale_output=True)
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def get_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarOutput | None:
+        if not scheduler_output.has_structured_output_requests or self.structured_output_manager is None:
+            return None
+        reqs = [self.requests[rid] for rid in scheduler_output.num_scheduled_tokens
+                if rid in self.requests and self.requests[rid].use_structured_output
+                and not self.requests[rid].is_prefill_chunk]
+        if not reqs:
+            return None
+        return GrammarOutput([r.request_id for r in reqs], self.structured_output_manager.grammar_bitmask(reqs))
