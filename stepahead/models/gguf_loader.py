@@ -111,7 +111,7 @@ def iter_gguf_weights(path: str, cfg: dict) -> Iterator[tuple[str, torch.Tensor]
             w = unpermute_qk(w, cfg["num_attention_heads"])
         elif permute and name.endswith("self_attn.k_proj.weight"):
             w = unpermute_qk(w, cfg["num_key_value_heads"])
-        yield name, torch.from_numpy(np.ascontiguousarray(w))
+        yield name, torch.from_numpy(np.array(w, dtype=np.float32, order="C"))  # copy: the file is mmapped read-only
 
 
 def gguf_tokenizer_location(path: str) -> tuple[str, str]:
