@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from stepahead.config import EngineArgs
@@ -71,6 +71,27 @@ class LLM:
         prompts = [self.apply_chat_template(c, add_generation_prompt, chat_template_kwargs) for c in conversations]
         params_list = self._params_list(sampling_params, len(prompts))
         return self._run(prompts, params_list, use_tqdm)
+
+    def generate_stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Stream one prompt: yields DELTA RequestOutputs (new text and token ids) as tokens arrive.
+
+        Closing the generator early (or an exception in the caller) aborts the request.
+        """
+        self._check_alive()
+        request_id = str(next(self._request_counter))
+        reqs, text = self.input_processor.process(request_id, prompt, sampling_params or SamplingParams())
+        self.output_processor.add_request(request_id, reqs, text, RequestOutputKind.DELTA)
+        finished = False
+        try:
+            for req in reqs:
+                self.engine_core.add_request(req)
+            while not finished:
+                for ro in self._step():  # the LLM is not reentrant: these are all this request's
+                    finished = ro.finished
+                    yield ro
+        finally:
+            if not finished:
+                self._abort([request_id])
 
     def apply_chat_template(
         self,

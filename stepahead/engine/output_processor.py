@@ -55,6 +55,14 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         return full_text[len(prefix_text):]
 
+    def flush(self) -> str:
+        """At the end of the output: text still held back (an incomplete character decodes as U+FFFD)."""
+        decode = self._tokenizer.decode
+        prefix_text = decode(self._ids[self._prefix_offset:self._read_offset], skip_special_tokens=self._skip)
+        full_text = decode(self._ids[self._prefix_offset:], skip_special_tokens=self._skip)
+        self._prefix_offset = self._read_offset = len(self._ids)
+        return full_text[len(prefix_text):]
+
 
 @dataclass
 class _Completion:
@@ -186,6 +194,8 @@ class OutputProcessor:
             text_ids = new_ids[:-1]
         old_len = len(child.text)
         child.text += child.detok.append(text_ids)
+        if out.finished:
+            child.text += child.detok.flush()
         if not stopped_on_token and child.params.stop and self._check_stop_strings(child, old_len):
             return not out.finished
         if out.finished:

@@ -179,3 +179,25 @@ def test_duplicate_request_id_rejected(tokenizer):
     _add(proc, "d")
     with pytest.raises(ValueError, match="already in use"):
         _add(proc, "d")
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_byte_tokens_stream_to_the_full_decode(tokenizer, seed):
+    """Random ids (random models emit them) split and garble UTF-8; the streamed text still equals decode()."""
+    import random
+
+    rng = random.Random(seed)
+    ids = [rng.randrange(3, len(tokenizer)) for _ in range(40)]  # no special tokens
+    proc = OutputProcessor(tokenizer)
+    (eid,) = _add(proc, "r", RequestOutputKind.DELTA, prompt_ids=tokenizer.encode("x = 1\n"))
+    steps = _feed_one_by_one(proc, eid, ids, last_finish="length")
+    assert "".join(ro.outputs[0].text for ros, _ in steps for ro in ros) == tokenizer.decode(ids)
+
+
+def test_incomplete_character_at_the_end_is_flushed(tokenizer):
+    ids = tokenizer.encode("ab") + tokenizer.encode("日")[:1]
+    assert tokenizer.decode(ids).endswith("\ufffd")
+    proc = OutputProcessor(tokenizer)
+    (eid,) = _add(proc, "f", RequestOutputKind.FINAL_ONLY)
+    ros, _ = proc.process_outputs([EngineCoreOutput(eid, ids, "length")])
+    assert ros[0].outputs[0].text == tokenizer.decode(ids)
