@@ -1,0 +1,172 @@
+"""Executors with the real ModelRunner on a tiny model: ordering, failures, worker death, shutdown."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from concurrent.futures import Future
+from pathlib import Path
+
+import pytest
+
+from stepahead.config import EngineArgs
+from stepahead.core.async_scheduler import AsyncScheduler
+from stepahead.executor import make_executor
+from stepahead.executor.mp import MultiprocExecutor
+from stepahead.executor.uni import UniProcExecutor
+from stepahead.request import Request
+from stepahead.sampling_params import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _config(model, executor):
+    return EngineArgs(model=str(model), executor=executor, device="cpu", max_model_len=128,
+                      num_kv_blocks=64).create_engine_config()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is gone for our purposes (it only waits for its parent to reap it).
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def _run_pipelined(executor, config, depth=3, steps=8):
+    """Keep `depth` steps in flight, as EngineCore does; return the sampled tokens per request."""
+    sched = AsyncScheduler(config.scheduler_config, config.cache_config)
+    for i, n in enumerate((5, 20, 37)):
+        sched.add_request(Request(f"r{i}", list(range(3 + i, 3 + i + n)), SamplingParams(temperature=0.0,
+                                  max_tokens=steps), eos_token_id=None))
+    in_flight: list[tuple[object, Future, Future]] = []
+    resolved_order: list[int] = []
+    tokens: dict[str, list[int]] = {}
+    seq = 0
+    while sched.has_requests() or in_flight:
+        if sched.has_requests() and len(in_flight) < depth:
+            so = sched.schedule()
+            exec_fut = executor.execute_model(so)
+            fut = executor.sample_tokens(None) if so.total_num_scheduled_tokens else exec_fut
+            assert isinstance(fut, Future) and isinstance(exec_fut, Future)
+            fut.add_done_callback(lambda _f, k=seq: resolved_order.append(k))
+            seq += 1
+            in_flight.append((so, exec_fut, fut))
+            continue
+        so, exec_fut, fut = in_flight.pop(0)
+        out = fut.result(timeout=60)
+        assert exec_fut.done()
+        for o in sched.update_from_output(so, out):
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert resolved_order == sorted(resolved_order)
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(tiny_llama):
+    config = _config(tiny_llama, "uni")
+    executor = UniProcExecutor(config)
+    try:
+        return _run_pipelined(executor, config, depth=1)
+    finally:
+        executor.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["uni", "mp"])
+def test_pipelined_calls_resolve_in_order(tiny_llama, reference_tokens, kind):
+    config = _config(tiny_llama, kind)
+    executor = make_executor(config)
+    try:
+        assert isinstance(executor, UniProcExecutor if kind == "uni" else MultiprocExecutor)
+        assert _run_pipelined(executor, config, depth=3) == reference_tokens
+    finally:
+        executor.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["uni", "mp"])
+def test_worker_error_fails_pending_and_later_calls(tiny_llama, kind):
+    executor = make_executor(_config(tiny_llama, kind))
+    try:
+        bad = executor.sample_tokens(None)  # no execute_model before it: the runner raises
+        with pytest.raises(RuntimeError, match="sample_tokens.*without a preceding execute_model"):
+            bad.result(timeout=60)
+        with pytest.raises(RuntimeError, match="stepahead worker"):
+            executor.sample_tokens(None).result(timeout=60)
+        with pytest.raises(RuntimeError):
+            executor.check_health()
+        if kind == "mp":
+            executor._proc.join(timeout=30)
+            assert not executor._proc.is_alive()
+    finally:
+        executor.shutdown()
+
+
+def test_killed_worker_resolves_pending_futures(tiny_llama):
+    config = _config(tiny_llama, "mp")
+    executor = MultiprocExecutor(config)
+    pid = executor.worker_pid
+    try:
+        sched = AsyncScheduler(config.scheduler_config, config.cache_config)
+        sched.add_request(Request("r", [5, 6, 7], SamplingParams(max_tokens=4), eos_token_id=None))
+        os.kill(pid, signal.SIGSTOP)  # the calls below stay pending in the stopped worker
+        pending = [executor.execute_model(sched.schedule()), executor.sample_tokens(None)]
+        os.kill(pid, signal.SIGKILL)
+        for fut in pending:
+            with pytest.raises(RuntimeError, match=rf"worker process \(pid {pid}\) died unexpectedly \(killed by signal 9\)"):
+                fut.result(timeout=60)
+        with pytest.raises(RuntimeError, match="died unexpectedly"):
+            executor.sample_tokens(None).result(timeout=60)
+    finally:
+        executor.shutdown()
+    assert not _pid_alive(pid)
+
+
+def test_shutdown_leaves_no_process_and_is_idempotent(tiny_llama):
+    executor = MultiprocExecutor(_config(tiny_llama, "mp"))
+    pid = executor.worker_pid
+    assert _pid_alive(pid)
+    executor.shutdown()
+    executor.shutdown()
+    assert not _pid_alive(pid)
+    with pytest.raises(RuntimeError, match="shut down"):
+        executor.sample_tokens(None).result(timeout=10)
+
+
+def test_worker_exits_when_engine_process_dies(tiny_llama):
+    script = textwrap.dedent(f"""
+        import os, signal
+        from stepahead.config import EngineArgs
+        from stepahead.executor.mp import MultiprocExecutor
+        cfg = EngineArgs(model={str(tiny_llama)!r}, executor="mp", device="cpu", max_model_len=128,
+                         num_kv_blocks=64).create_engine_config()
+        ex = MultiprocExecutor(cfg)
+        print(ex.worker_pid, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)  # no cleanup at all
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    pid = int(proc.stdout.strip())
+    for _ in range(600):  # the orphan sees its input pipe close and exits; bounded wait, not a timing check
+        if not _pid_alive(pid):
+            break
+        time.sleep(0.1)
+    assert not _pid_alive(pid)
+
+
+def test_startup_failure_is_reported(tiny_model_factory, tmp_path):
+    import shutil
+
+    folder = tmp_path / "broken"
+    shutil.copytree(tiny_model_factory("llama"), folder)
+    config = _config(folder, "mp")
+    (folder / "model.safetensors").write_bytes(b"not weights")  # breaks after the config was read
+    with pytest.raises(RuntimeError, match="worker process failed to start: loading the model failed"):
+        MultiprocExecutor(config)
+    with pytest.raises(Exception):  # noqa: B017 - uni raises the loader's own error, whatever its type
+        UniProcExecutor(config)
