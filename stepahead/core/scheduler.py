@@ -126,7 +126,10 @@ class Scheduler:
             ph = req.num_output_placeholders
             comp = req.num_computed_tokens
             # Async: the steps in flight already reach max_tokens; do not schedule past the end.
-            if ph > 0 and comp + 2 - ph >= req.num_prompt_tokens + req.max_tokens:
+            # engine-spec writes comp + 2 - ph (= ntok + 1), which assumes ph - 1 of the in-flight
+            # tokens are drafts. Without drafts every placeholder is a sure token, so ntok + ph is
+            # exact: identical at ph == 1 (depth 2), and no over-scheduling at depth > 2 either.
+            if ph > 0 and req.num_tokens + ph >= req.num_prompt_tokens + req.max_tokens:
                 i += 1
                 continue
             num_new = req.num_tokens_with_spec + ph - comp

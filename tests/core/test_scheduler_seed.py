@@ -71,3 +71,12 @@ def test_case2_trace_matches_seed():
     assert so5.finished_req_ids == {"r0"} and so5.total_num_scheduled_tokens == 0
     assert h.process() == []  # step 4's result: discarded
     assert h.sched.num_wasted_request_steps == 1
+
+
+@pytest.mark.parametrize("depth", [2, 3, 4])
+def test_max_tokens_never_over_scheduled_at_any_depth(depth):
+    h = Harness(budget=4, depth=depth)
+    h.add("r0", PROMPT, max_tokens=5)
+    counts = _scheduled_tokens(h)
+    assert sum(1 for c in counts if c) == 2 + 5 - 1  # two prefill chunks, then one step per new token
+    assert h.sched.num_wasted_request_steps == 0
