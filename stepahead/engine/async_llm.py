@@ -1,0 +1,402 @@
+"""AsyncLLM: the API server's client of an EngineCore running in its own process.
+
+Tokenization, validation, detokenization and stop strings happen here, in the API process; the
+engine process only schedules and steps (core_proc.py). One asyncio task reads the engine's output
+socket, runs the OutputProcessor and routes each RequestOutput to the RequestStream that owns it.
+
+A RequestStream can hold several parent requests (the prompts of one HTTP request), so one consumer
+reads them all from a single queue. Leaving `stream_outputs` early (client disconnect, cancellation)
+aborts every unfinished request of the stream in the engine.
+
+If the engine process fails or disappears, every stream gets EngineDeadError, `is_dead` turns true
+and `dead_event` is set, so the server can report unhealthy and exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import os
+import shutil
+import sys
+import tempfile
+import time
+import weakref
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from stepahead.config import EngineArgs, EngineConfig
+from stepahead.engine.core import EngineDeadError
+from stepahead.engine.core_proc import run_engine_core
+from stepahead.engine.input_processor import InputProcessor, PromptType
+from stepahead.engine.messages import (
+    AbortRequests,
+    AddRequests,
+    Codec,
+    EngineFailed,
+    EngineOutputs,
+    EngineReady,
+    EngineRequest,
+    Shutdown,
+)
+from stepahead.engine.output_processor import OutputProcessor, RequestOutputKind
+from stepahead.outputs import EngineStats, RequestOutput
+from stepahead.sampling_params import SamplingParams
+
+logger = logging.getLogger("stepahead.engine.async_llm")
+
+_POLL_MS = 500  # how often the output loop checks that the engine process is alive
+_SHUTDOWN_GRACE_S = 10.0
+
+
+
+@dataclass
+class RequestStream:
+    """The outputs of one or more parent requests, delivered through one queue."""
+
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # RequestOutput | BaseException
+    request_ids: list[str] = field(default_factory=list)
+    unfinished: set[str] = field(default_factory=set)
+
+    @property
+    def finished(self) -> bool:
+        return not self.unfinished
+
+
+@dataclass
+class FinishedRequest:
+    finish_reason: str
+    e2e_s: float
+    num_prompt_tokens: int
+    num_generation_tokens: int
+
+
+@dataclass
+class IterationStats:
+    """What one batch of engine outputs meant for latency metrics (measured in the API process)."""
+
+    ttfts_s: list[float] = field(default_factory=list)
+    itls_s: list[float] = field(default_factory=list)
+    finished: list[FinishedRequest] = field(default_factory=list)
+
+
+@dataclass
+class _Timing:
+    arrival: float
+    num_prompt_tokens: int
+    last_token: float | None = None
+    tokens_per_choice: dict[int, int] = field(default_factory=dict)
+
+    def finished(self, reason: str, now: float, index: int | None = None) -> FinishedRequest:
+        tokens = self.tokens_per_choice.get(index, 0) if index is not None else sum(self.tokens_per_choice.values())
+        return FinishedRequest(reason, now - self.arrival, self.num_prompt_tokens, tokens)
+
+
+StatsListener = Callable[[IterationStats, EngineStats | None], None]
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig, tokenizer=None, *, trace_path: str | None = None) -> None:
+        from stepahead.models.loader import load_tokenizer
+
+        self.config = config
+        self.model_config = config.model_config
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model_config)
+        self.input_processor = InputProcessor(config.model_config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.stats_listeners: list[StatsListener] = []
+        self.dead_event = asyncio.Event()
+        self.dead_reason: str | None = None
+        self.engine_pid: int | None = None
+        self.worker_pid: int | None = None
+        self._stats = EngineStats()
+        self._streams: dict[str, RequestStream] = {}
+        self._timings: dict[str, _Timing] = {}
+        self._closed = False
+        self._output_task: asyncio.Task | None = None
+        self._codec = Codec()
+
+        self._tmpdir = tempfile.mkdtemp(prefix="stepahead-ipc-")
+        input_addr, output_addr = f"ipc://{self._tmpdir}/input", f"ipc://{self._tmpdir}/output"
+        self._sync_ctx = zmq.Context()
+        self._input = self._sync_ctx.socket(zmq.PUSH)
+        self._input.setsockopt(zmq.SNDHWM, 0)
+        self._input.setsockopt(zmq.LINGER, 0)
+        self._input.bind(input_addr)
+        self._async_ctx = zmq.asyncio.Context()
+        self._output = self._async_ctx.socket(zmq.PULL)
+        self._output.setsockopt(zmq.RCVHWM, 0)
+        self._output.setsockopt(zmq.LINGER, 0)
+        self._output.bind(output_addr)
+
+        ctx = multiprocessing.get_context("spawn")
+        self._proc = ctx.Process(target=run_engine_core, name="stepahead-engine-core",
+                                 args=(config, input_addr, output_addr, os.getpid(), trace_path))
+        with _main_module_hidden():
+            self._proc.start()
+        # A library user who forgets shutdown() still leaves no engine process behind.
+        self._finalizer = weakref.finalize(self, _stop_process, self._proc, 0.0)
+
+    @classmethod
+    async def from_engine_args(cls, engine_args: EngineArgs, **kwargs) -> AsyncLLM:
+        llm = cls(engine_args.create_engine_config(), **kwargs)
+        try:
+            await llm.start()
+        except BaseException:
+            llm.shutdown()
+            raise
+        return llm
+
+    async def start(self, timeout_s: float | None = None) -> None:
+        """Wait until the engine process has loaded the model, then start routing its outputs."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            if await self._output.poll(_POLL_MS):
+                msg = self._codec.decode_output(await self._output.recv())
+                if isinstance(msg, EngineReady):
+                    self.engine_pid, self.worker_pid, self._stats = msg.pid, msg.worker_pid, msg.stats
+                    break
+                if isinstance(msg, EngineFailed):
+                    self._proc.join(timeout=_SHUTDOWN_GRACE_S)
+                    raise RuntimeError(f"The engine process failed to start:\n{msg.message}")
+            elif not self._proc.is_alive():
+                raise RuntimeError(f"The engine process exited during startup (exit code {self._proc.exitcode})")
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"The engine process did not become ready within {timeout_s} s")
+        self._output_task = asyncio.get_running_loop().create_task(self._output_loop(), name="stepahead-outputs")
+
+    # -- requests ----------------------------------------------------------------------------------
+
+    @property
+    def is_dead(self) -> bool:
+        return self.dead_reason is not None
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                    stream: RequestStream | None = None, arrival_time: float | None = None) -> RequestStream:
+        """Validate and submit one prompt (its n children); raises ValueError on bad input.
+
+        Pass the same stream for several prompts to read all their outputs from one queue.
+        """
+        self._check_alive()
+        if request_id in self._timings:
+            raise ValueError(f"Request id {request_id!r} is already running")
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        children, prompt_text = self.input_processor.process(request_id, prompt, params, arrival)
+        stream = stream if stream is not None else RequestStream()
+        self.output_processor.add_request(request_id, children, prompt_text, RequestOutputKind.DELTA)
+        self._streams[request_id] = stream
+        self._timings[request_id] = _Timing(arrival, len(children[0].prompt_token_ids))
+        stream.request_ids.append(request_id)
+        stream.unfinished.add(request_id)
+        self._send(AddRequests([EngineRequest.from_request(r) for r in children]))
+        return stream
+
+    async def stream_outputs(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
+        """Yield the stream's RequestOutputs (DELTA) until all its requests finish.
+
+        Raises EngineDeadError if the engine dies. Closing or cancelling the iteration early aborts
+        every unfinished request of the stream.
+        """
+        try:
+            while stream.unfinished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finished:
+                    stream.unfinished.discard(item.request_id)
+                yield item
+        finally:
+            for request_id in list(stream.unfinished):
+                self.abort(request_id)
+
+    async def generate(self, prompt: PromptType, params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        stream = self.add_request(request_id, prompt, params)
+        async with contextlib.aclosing(self.stream_outputs(stream)) as outputs:
+            async for out in outputs:
+                yield out
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; the engine drops it at its next step and frees its blocks."""
+        engine_ids = self.output_processor.abort_request(request_id)
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.unfinished.discard(request_id)
+        timing = self._timings.pop(request_id, None)
+        if timing is not None:
+            self._emit(IterationStats(finished=[timing.finished("abort", time.monotonic())]), None)
+        if engine_ids and not self.is_dead:
+            self._send(AbortRequests(engine_ids))
+
+    def abort_all(self, reason: BaseException) -> None:
+        """Fail every in-flight stream with `reason` and abort its requests (server shutdown)."""
+        streams = {id(s): s for s in self._streams.values()}
+        for request_id in list(self._streams):
+            self.abort(request_id)
+        for s in streams.values():
+            s.queue.put_nowait(reason)
+
+    def get_stats(self) -> EngineStats:
+        """The latest snapshot; the engine sends one with every step's outputs and when it goes idle."""
+        return self._stats
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    # -- engine outputs ------------------------------------------------------------------------------
+
+    async def _output_loop(self) -> None:
+        try:
+            while True:
+                if await self._output.poll(_POLL_MS):
+                    self._handle(self._codec.decode_output(await self._output.recv()))
+                    continue
+                if not self._proc.is_alive():
+                    # Drain what it sent before exiting, then declare it dead.
+                    while await self._output.poll(0):
+                        self._handle(self._codec.decode_output(await self._output.recv()))
+                    if not self.is_dead and not self._closed:
+                        self._set_dead(f"The engine process exited unexpectedly (exit code {self._proc.exitcode})")
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a bug here must not leave clients hanging
+            logger.exception("The engine output loop failed")
+            self._set_dead(f"The engine output loop failed: {e!r}")
+
+    def _handle(self, msg) -> None:
+        if isinstance(msg, EngineOutputs):
+            if msg.outputs:
+                self._route(msg.outputs, msg.stats)
+            elif msg.stats is not None:
+                self._stats = msg.stats
+                self._emit(IterationStats(), msg.stats)
+        elif isinstance(msg, EngineFailed):
+            self._set_dead(f"The engine failed: {msg.message}")
+
+    def _route(self, engine_outputs, engine_stats: EngineStats | None) -> None:
+        if engine_stats is not None:
+            self._stats = engine_stats
+        request_outputs, to_abort = self.output_processor.process_outputs(engine_outputs)
+        if to_abort:
+            self._send(AbortRequests(to_abort))
+        now = time.monotonic()
+        it = IterationStats()
+        for ro in request_outputs:
+            self._record_timing(ro, now, it)
+            stream = self._streams.get(ro.request_id)
+            if stream is None:
+                continue
+            if ro.finished:
+                del self._streams[ro.request_id]
+            stream.queue.put_nowait(ro)
+        self._emit(it, engine_stats)
+
+    def _record_timing(self, ro: RequestOutput, now: float, it: IterationStats) -> None:
+        t = self._timings.get(ro.request_id)
+        if t is None:
+            return
+        if any(c.token_ids for c in ro.outputs):
+            if t.last_token is None:
+                it.ttfts_s.append(now - t.arrival)
+            else:
+                it.itls_s.append(now - t.last_token)
+            t.last_token = now
+        for c in ro.outputs:
+            t.tokens_per_choice[c.index] = t.tokens_per_choice.get(c.index, 0) + len(c.token_ids)
+            if c.finish_reason is not None:
+                it.finished.append(t.finished(c.finish_reason, now, c.index))
+        if ro.finished:
+            del self._timings[ro.request_id]
+
+    def _emit(self, it: IterationStats, engine_stats: EngineStats | None) -> None:
+        for listener in self.stats_listeners:
+            try:
+                listener(it, engine_stats)
+            except Exception:  # noqa: BLE001 - metrics must never break serving
+                logger.exception("A stats listener failed")
+
+    # -- failure and shutdown --------------------------------------------------------------------------
+
+    def _check_alive(self) -> None:
+        if self.is_dead:
+            raise EngineDeadError(self.dead_reason)
+        if self._closed:
+            raise RuntimeError("The engine has been shut down")
+
+    def _send(self, msg) -> None:
+        if self._closed:
+            return
+        try:
+            self._input.send(self._codec.encode(msg), flags=zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            self._set_dead(f"Cannot reach the engine process: {e}")
+
+    def _set_dead(self, reason: str) -> None:
+        if self.is_dead:
+            return
+        self.dead_reason = reason
+        logger.error("%s", reason)
+        err = EngineDeadError(reason)
+        for stream in {id(s): s for s in self._streams.values()}.values():
+            stream.queue.put_nowait(err)
+        self._streams.clear()
+        self._timings.clear()
+        self.dead_event.set()
+
+    def shutdown(self, timeout_s: float = _SHUTDOWN_GRACE_S) -> None:
+        """Stop the engine process (and with it the worker); idempotent. No process is left behind."""
+        if self._closed:
+            return
+        if not self.is_dead:
+            with contextlib.suppress(zmq.ZMQError):
+                self._input.send(self._codec.encode(Shutdown()), flags=zmq.NOBLOCK)
+        self._closed = True
+        closed = RuntimeError("The engine was shut down")
+        for stream in {id(s): s for s in self._streams.values()}.values():
+            stream.queue.put_nowait(closed)
+        self._streams.clear()
+        if self._output_task is not None:
+            self._output_task.cancel()
+        _stop_process(self._proc, timeout_s)
+        self._finalizer.detach()
+        self._input.close()
+        self._output.close()
+        self._sync_ctx.term()
+        self._async_ctx.term()
+        shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+
+def _stop_process(proc: multiprocessing.process.BaseProcess, timeout_s: float) -> None:
+    if proc.pid is None:
+        return
+    proc.join(timeout=timeout_s)
+    if proc.is_alive():
+        proc.terminate()  # SIGTERM: the engine shuts its executor down
+        proc.join(timeout=_SHUTDOWN_GRACE_S)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+
+
+@contextlib.contextmanager
+def _main_module_hidden():
+    """spawn re-imports the caller's __main__ in the child; the engine needs nothing from it."""
+    main = sys.modules.get("__main__")
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if main is not None and k in main.__dict__}
+    try:
+        for k in saved:
+            if k == "__file__":
+                del main.__dict__[k]
+            else:
+                main.__dict__[k] = None
+        yield
+    finally:
+        for k, v in saved.items():
+            main.__dict__[k] = v

@@ -1,0 +1,206 @@
+"""The EngineCore process of the server: builds the executor and runs the busy loop.
+
+    input thread:  ZMQ PULL -> decode -> queue            (never touches the core)
+    main thread:   step while the core has work, else block on the queue; send each step's outputs
+
+Everything the core is told goes through one queue, in arrival order, and is applied between steps,
+so an abort can never overtake the add it refers to. The process ignores SIGINT (a Ctrl-C in the
+terminal reaches the whole process group; the API server decides how to shut down and tells us),
+exits on SIGTERM, and dies with its parent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import traceback
+
+import zmq
+
+from stepahead.config import EngineConfig
+from stepahead.engine.messages import (
+    AbortRequests,
+    AddRequests,
+    Codec,
+    EngineFailed,
+    EngineOutputs,
+    EngineReady,
+    GetStats,
+    Shutdown,
+)
+
+logger = logging.getLogger("stepahead.engine.core_proc")
+
+_PR_SET_PDEATHSIG = 1
+EXIT_ENGINE_FAILED = 3
+
+
+def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, parent_pid: int,
+                    trace_path: str | None = None) -> None:
+    """Entry point of the spawned engine process."""
+    _prepare_process(parent_pid)
+    ctx = zmq.Context()
+    out_sock = ctx.socket(zmq.PUSH)
+    out_sock.setsockopt(zmq.LINGER, 5000)
+    out_sock.connect(output_addr)
+    codec = Codec()
+    try:
+        code = _serve(config, ctx, input_addr, out_sock, codec, trace_path)
+    finally:
+        out_sock.close()
+        ctx.term()
+    sys.exit(code)
+
+
+def _serve(config: EngineConfig, ctx: zmq.Context, input_addr: str, out_sock: zmq.Socket, codec: Codec,
+           trace_path: str | None) -> int:
+    from stepahead.engine.core import EngineCore
+    from stepahead.executor import make_executor
+
+    try:
+        executor = make_executor(config)
+        try:
+            core = EngineCore(config, executor)
+        except BaseException:
+            executor.shutdown()
+            raise
+    except BaseException as e:  # noqa: BLE001 - reported to the API process, which exits with it
+        out_sock.send(codec.encode(EngineFailed(_describe(e), during_startup=True)))
+        return EXIT_ENGINE_FAILED
+    inbox: queue.Queue = queue.Queue()
+    reader = threading.Thread(target=_read_inputs, args=(ctx, input_addr, codec, inbox),
+                              name="stepahead-engine-input", daemon=True)
+    reader.start()
+    out_sock.send(codec.encode(EngineReady(os.getpid(), getattr(executor, "worker_pid", None), core.get_stats())))
+    trace_events: list[dict] | None = [] if trace_path else None
+    try:
+        _busy_loop(core, inbox, out_sock, codec, trace_events)
+    except SystemExit:
+        pass  # SIGTERM: shut down below
+    except BaseException as e:  # noqa: BLE001 - engine death: tell the API process, then exit
+        logger.error("EngineCore failed: %s", _describe(e))
+        with contextlib.suppress(zmq.ZMQError):
+            # EngineDeadError carries one "error" output per unfinished request: deliver them first.
+            error_outputs = getattr(e, "outputs", None)
+            if error_outputs:
+                out_sock.send(codec.encode(EngineOutputs(error_outputs)))
+            out_sock.send(codec.encode(EngineFailed(str(e) or repr(e))))
+        _shutdown_core(core, trace_path, trace_events)
+        return EXIT_ENGINE_FAILED
+    _shutdown_core(core, trace_path, trace_events)
+    return 0
+
+
+def _busy_loop(core, inbox: queue.Queue, out_sock: zmq.Socket, codec: Codec,
+               trace_events: list[dict] | None) -> None:
+    while True:
+        if not core.has_work():
+            # Going idle: the last snapshot must show the engine empty (0 running, blocks freed).
+            out_sock.send(codec.encode(EngineOutputs([], core.get_stats())))
+            if not _apply(core, inbox.get(), out_sock, codec):
+                return
+        while True:
+            try:
+                msg = inbox.get_nowait()
+            except queue.Empty:
+                break
+            if not _apply(core, msg, out_sock, codec):
+                return
+        if not core.has_work():
+            continue
+        outputs = core.step()
+        if trace_events is not None:
+            trace_events.extend(core.drain_trace_events())
+        if outputs:
+            out_sock.send(codec.encode(EngineOutputs(outputs, core.get_stats())))
+
+
+def _apply(core, msg, out_sock: zmq.Socket, codec: Codec) -> bool:
+    """Apply one input message; False means shut down."""
+    if isinstance(msg, AddRequests):
+        rejected = []
+        for er in msg.requests:
+            try:
+                core.add_request(er.to_request())
+            except ValueError as e:
+                # The frontend validated already; a late rejection still finishes the request.
+                logger.warning("EngineCore rejected request %s: %s", er.request_id, e)
+                rejected.append(_error_output(er.request_id, str(e)))
+        if rejected:
+            out_sock.send(codec.encode(EngineOutputs(rejected)))
+    elif isinstance(msg, AbortRequests):
+        core.abort_requests(msg.request_ids)
+    elif isinstance(msg, GetStats):
+        out_sock.send(codec.encode(EngineOutputs([], core.get_stats())))
+    elif isinstance(msg, Shutdown):
+        return False
+    return True
+
+
+def _error_output(request_id: str, message: str):
+    from stepahead.core.sched_output import EngineCoreOutput
+
+    return EngineCoreOutput(request_id, [], finish_reason="error", stop_reason=message)
+
+
+def _read_inputs(ctx: zmq.Context, input_addr: str, codec: Codec, inbox: queue.Queue) -> None:
+    sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(input_addr)
+    try:
+        while True:
+            try:
+                data = sock.recv()
+            except zmq.ContextTerminated:
+                return
+            try:
+                inbox.put(codec.decode_input(data))
+            except Exception:  # noqa: BLE001 - a malformed message must not kill the engine
+                logger.exception("EngineCore dropped an undecodable input message")
+    finally:
+        sock.close()
+
+
+def _shutdown_core(core, trace_path: str | None, trace_events: list[dict] | None) -> None:
+    try:
+        core.shutdown()
+    except Exception:  # noqa: BLE001 - best effort on the way out
+        logger.exception("EngineCore shutdown failed")
+    if trace_path and trace_events is not None:
+        _write_trace(trace_path, trace_events)
+
+
+def _write_trace(path: str, events: list[dict]) -> None:
+    from stepahead.bench.trace import to_spans, write_trace
+
+    try:
+        write_trace(path, [("stepahead serve", to_spans(events))])
+        logger.info("Wrote %d trace events to %s", len(events), path)
+    except Exception:  # noqa: BLE001 - a trace is a diagnostic; never fail the shutdown on it
+        logger.exception("Writing the trace to %s failed", path)
+
+
+def _prepare_process(parent_pid: int) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s [EngineCore pid=%(process)d] "
+                        "%(message)s", datefmt="%m-%d %H:%M:%S")
+    # SIG_IGN is inherited by the worker the executor spawns, so Ctrl-C reaches neither.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _raise_exit)
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        sys.exit(EXIT_ENGINE_FAILED)
+
+
+def _raise_exit(signum, frame) -> None:
+    raise SystemExit(0)
+
+
+def _describe(e: BaseException) -> str:
+    return "".join(traceback.format_exception(e)).strip()

@@ -1,0 +1,256 @@
+"""The OpenAI-compatible HTTP server: FastAPI app factory and the uvicorn runner behind `stepahead serve`.
+
+Startup binds the socket first (clients connecting during the model load wait in the backlog
+instead of being refused), then starts the engine process, then serves. SIGINT/SIGTERM stop
+accepting; in-flight requests are aborted (--shutdown-timeout 0) or drained for up to that many
+seconds; then the engine process and its worker are stopped. If the engine dies, /health turns 503,
+in-flight requests get an error, and the server exits (status 1) a moment later.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvicorn
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+
+from stepahead.engine.async_llm import AsyncLLM
+from stepahead.entrypoints.openai.errors import APIError, APIKeyMiddleware, install_error_handlers
+from stepahead.entrypoints.openai.metrics import ServerMetrics
+from stepahead.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+)
+from stepahead.entrypoints.openai.serving_chat import OpenAIServingChat, render_chat
+from stepahead.entrypoints.openai.serving_completions import OpenAIServingCompletion
+from stepahead.entrypoints.openai.serving_utils import ServedModel
+
+logger = logging.getLogger("stepahead.entrypoints.openai")
+
+DEAD_ENGINE_EXIT_DELAY_S = 2.0  # lets in-flight error responses and a /health probe see the failure
+API_KEY_ENV = "STEPAHEAD_API_KEY"
+
+
+def stepahead_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("stepahead")
+    except Exception:  # noqa: BLE001 - running from a source tree without metadata
+        return "0.0.0+unknown"
+
+
+@dataclass
+class ServerState:
+    draining: bool = False
+
+
+def build_app(engine: AsyncLLM, model: ServedModel, api_key: str | None = None,
+              state: ServerState | None = None) -> FastAPI:
+    state = state or ServerState()
+    app = FastAPI(title="stepahead", version=stepahead_version())
+    install_error_handlers(app)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    metrics = ServerMetrics(model.name, model.max_model_len, engine.get_stats)
+    engine.stats_listeners.append(metrics.record)
+    completions = OpenAIServingCompletion(engine, model)
+    chat = OpenAIServingChat(engine, model)
+    app.state.engine, app.state.metrics, app.state.server_state = engine, metrics, state
+
+    def accepting(request: Request) -> None:
+        content_type = request.headers.get("content-type", "")
+        if content_type.split(";")[0].strip().lower() != "application/json":
+            raise RequestValidationError([{"loc": ("header", "content-type"), "type": "value_error",
+                                           "msg": "Unsupported Media Type: Only 'application/json' is allowed"}])
+        if state.draining:
+            raise APIError("The server is shutting down", 503)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=503 if engine.is_dead else 200)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": stepahead_version()}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        cards = [ModelCard(id=name, root=model.root, max_model_len=model.max_model_len) for name in model.names]
+        return ModelList(data=cards).model_dump(mode="json")
+
+    @app.post("/v1/completions", dependencies=[Depends(accepting)])
+    async def create_completion(body: CompletionRequest, request: Request) -> Response:
+        return await completions.create(body, request)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(accepting)])
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+        return await chat.create(body, request)
+
+    @app.post("/tokenize", dependencies=[Depends(accepting)])
+    async def tokenize(body: TokenizeRequest) -> JSONResponse:
+        model.check(body.model)
+        tok = engine.tokenizer
+        if body.messages is not None:
+            text = render_chat(tok, body.messages, body.add_generation_prompt, body.continue_final_message, None)
+            add_special = bool(body.add_special_tokens)
+        elif body.prompt is not None:
+            text = body.prompt
+            add_special = True if body.add_special_tokens is None else body.add_special_tokens
+        else:
+            raise APIError("Either prompt or messages is required", 400, "prompt")
+        tokens = list(tok.encode(text, add_special_tokens=add_special))
+        out: dict = {"count": len(tokens), "max_model_len": model.max_model_len, "tokens": tokens}
+        if body.return_token_strs:
+            out["token_strs"] = tok.convert_ids_to_tokens(tokens)
+        return JSONResponse(out)
+
+    @app.post("/detokenize", dependencies=[Depends(accepting)])
+    async def detokenize(body: DetokenizeRequest) -> JSONResponse:
+        model.check(body.model)
+        vocab = engine.model_config.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(f"tokens must be token ids in [0, {vocab}), got {bad[:8]}", 400, "tokens")
+        return JSONResponse({"prompt": engine.tokenizer.decode(body.tokens)})
+
+    return app
+
+
+def served_model(engine: AsyncLLM, requested_name: str | None, model_arg: str | None) -> ServedModel:
+    mc = engine.model_config
+    name = requested_name or mc.served_model_name or model_arg or Path(mc.model).name.removesuffix(".gguf")
+    return ServedModel(names=[name], root=mc.model, max_model_len=mc.max_model_len)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server with our first reaction to SIGINT/SIGTERM: refuse new work, abort or drain."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLM, state: ServerState, shutdown_timeout: float):
+        super().__init__(config)
+        self._engine, self._state, self._shutdown_timeout = engine, state, shutdown_timeout
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if not self._state.draining:
+            self._state.draining = True
+            n = self._engine.num_in_flight
+            if self._shutdown_timeout > 0:
+                logger.info("Shutting down: draining %d in-flight request(s) for up to %.0f s", n,
+                            self._shutdown_timeout)
+            else:
+                logger.info("Shutting down: aborting %d in-flight request(s)", n)
+                self._engine.abort_all(RuntimeError("The server is shutting down"))
+        super().handle_exit(sig, frame)
+        # uvicorn would re-raise the signal after serving; we exit normally, after stopping the engine.
+        self._captured_signals.clear()
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def non_default_args(ns: argparse.Namespace, defaults: argparse.Namespace) -> dict:
+    out = {}
+    for k, v in sorted(vars(ns).items()):
+        if k == "func" or getattr(defaults, k, None) == v:
+            continue
+        out[k] = "**REDACTED**" if k == "api_key" else v
+    return out
+
+
+async def run_server(ns: argparse.Namespace, defaults: argparse.Namespace) -> int:
+    from stepahead.entrypoints.engine_flags import engine_args_from_namespace
+
+    api_key = ns.api_key or os.environ.get(API_KEY_ENV) or None
+    sock = bind_socket(ns.host, ns.port)
+    host, port = sock.getsockname()[:2]
+    logger.info("stepahead %s: serving on http://%s:%d (the model loads next)", stepahead_version(), host, port)
+    logger.info("Non-default args: %s", non_default_args(ns, defaults))
+    try:
+        engine_args = engine_args_from_namespace(ns)
+        if ns.trace_file:
+            engine_args.trace = True
+        config = engine_args.create_engine_config()
+        logger.info("Model: %s (max_model_len %d, %d KV blocks of %d tokens, executor %s, async scheduling %s)",
+                    config.model_config.model, config.model_config.max_model_len, config.cache_config.num_blocks,
+                    config.cache_config.block_size, config.executor, config.async_scheduling)
+        engine = AsyncLLM(config, trace_path=ns.trace_file)
+    except ValueError as e:
+        logger.error("Invalid configuration: %s", e)
+        sock.close()
+        return 2
+    try:
+        await engine.start()
+    except Exception as e:  # noqa: BLE001 - startup failure: a clear line and a non-zero exit
+        logger.error("%s", e)
+        engine.shutdown()
+        sock.close()
+        return 1
+    state = ServerState()
+    model = served_model(engine, ns.served_model_name, engine_args.model)
+    app = build_app(engine, model, api_key, state)
+    routes = ", ".join(sorted(r.path for r in app.routes if not r.path.startswith(("/docs", "/redoc", "/openapi"))))
+    logger.info("Serving model %r; routes: %s", model.name, routes)
+    uv_config = uvicorn.Config(app, log_level=ns.uvicorn_log_level, lifespan="off",
+                               timeout_graceful_shutdown=max(ns.shutdown_timeout, 1.0))
+    server = _Server(uv_config, engine, state, ns.shutdown_timeout)
+    watchdog = asyncio.get_running_loop().create_task(_exit_on_engine_death(engine, server))
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        watchdog.cancel()
+        engine.shutdown()
+        sock.close()
+    logger.info("Server stopped")
+    return 1 if engine.is_dead else 0
+
+
+async def _exit_on_engine_death(engine: AsyncLLM, server: uvicorn.Server) -> None:
+    await engine.dead_event.wait()
+    logger.error("The engine is dead (%s); the server exits in %.0f s", engine.dead_reason, DEAD_ENGINE_EXIT_DELAY_S)
+    await asyncio.sleep(DEAD_ENGINE_EXIT_DELAY_S)
+    server.should_exit = True
+
+
+def configure_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s",
+                        datefmt="%m-%d %H:%M:%S")
+
+
+def run(ns: argparse.Namespace, defaults: argparse.Namespace) -> int:
+    configure_logging()
+    return asyncio.run(run_server(ns, defaults))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from stepahead.entrypoints.openai.serve_cli import make_parser
+
+    parser = make_parser()
+    return run(parser.parse_args(argv), parser.parse_args([]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

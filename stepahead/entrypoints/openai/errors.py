@@ -1,0 +1,143 @@
+"""OpenAI-shaped errors: {"error": {"message", "type", "param", "code"}}, and the API-key middleware.
+
+Every validation failure is a 400 (FastAPI's default 422 is overridden, non-JSON bodies included),
+an unknown model a 404, engine failures a 500. A missing or wrong API key on /v1/* is a 401 with
+the plain body {"error": "Unauthorized"} that OpenAI clients expect.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http
+import json
+import logging
+import re
+import secrets
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from stepahead.engine.async_llm import EngineDeadError
+
+logger = logging.getLogger("stepahead.entrypoints.openai")
+
+
+class APIError(Exception):
+    """An error with its HTTP status, raised anywhere in a handler."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None, err_type: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.err_type = err_type or _type_for(status)
+
+
+def _type_for(status: int) -> str:
+    return {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+            500: "InternalServerError", 501: "NotImplementedError", 503: "ServiceUnavailableError"}.get(
+        status, _phrase(status))
+
+
+def _phrase(status: int) -> str:
+    try:
+        return http.HTTPStatus(status).phrase.replace(" ", "")
+    except ValueError:
+        return "Error"
+
+
+def error_body(message: str, status: int, param: str | None = None, err_type: str | None = None) -> dict:
+    return {"error": {"message": _sanitize(message), "type": err_type or _type_for(status), "param": param,
+                      "code": status}}
+
+
+def error_response(message: str, status: int = 400, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param), status_code=status)
+
+
+def error_from_exception(e: BaseException) -> APIError:
+    """The status a failure maps to: bad input 400, engine failures 500."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, (ValueError, TypeError, OverflowError)):
+        return APIError(str(e), 400, _param_of(str(e)))
+    if isinstance(e, EngineDeadError):
+        return APIError(f"The engine is dead: {e}", 500)
+    return APIError(f"Internal server error: {e!r}", 500)
+
+
+def _param_of(message: str) -> str | None:
+    """Our ValueErrors start with the field name ("top_p must be in (0, 1], got 2.0")."""
+    m = re.match(r"([a-z_]+) (must|is|are) ", message)
+    return m.group(1) if m else None
+
+
+def _sanitize(message: str) -> str:
+    return re.sub(r" at 0x[0-9a-f]+>", ">", message)
+
+
+def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    parts, param = [], None
+    for err in exc.errors():
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        if param is None and loc:
+            param = loc[0]
+        where = ".".join(loc)
+        parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+    return "; ".join(parts) or "Invalid request", param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = validation_message(exc)
+        return error_response(message, 400, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(str(exc.detail), exc.status_code)
+
+    @app.exception_handler(APIError)
+    async def _api(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(error_body(exc.message, exc.status, exc.param, exc.err_type), status_code=exc.status)
+
+    @app.exception_handler(Exception)
+    async def _other(request: Request, exc: Exception) -> JSONResponse:
+        err = error_from_exception(exc)
+        if err.status >= 500:
+            logger.error("Request failed: %r", exc, exc_info=exc)
+        return JSONResponse(error_body(err.message, err.status, err.param), status_code=err.status)
+
+
+class APIKeyMiddleware:
+    """Bearer-token check on /v1/* (pure ASGI: works with streaming and disconnect detection).
+
+    Keys are compared as SHA-256 digests with secrets.compare_digest, so the time taken does not
+    depend on how much of a guess is right. /health, /metrics, /version, /tokenize stay open.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._digest = hashlib.sha256(api_key.encode()).digest()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] == "OPTIONS" or not _is_v1(scope["path"]):
+            await self.app(scope, receive, send)
+            return
+        header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+        given = header[7:] if header[:7].lower() == "bearer " else ""
+        if not secrets.compare_digest(hashlib.sha256(given.encode()).digest(), self._digest):
+            body = json.dumps({"error": "Unauthorized"}).encode()
+            await send({"type": "http.response.start", "status": 401,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        await self.app(scope, receive, send)
+
+
+def _is_v1(path: str) -> bool:
+    return path == "/v1" or path.startswith("/v1/")

@@ -1,0 +1,116 @@
+"""Prometheus metrics on /metrics, with vLLM's names under the `stepahead:` prefix.
+
+Engine-side numbers (queue sizes, KV blocks, prefix cache, preemptions, token totals, wasted steps,
+worker utilization) come from the latest EngineStats snapshot, read at scrape time by a custom
+collector. Latencies (TTFT, inter-token, end-to-end) and finished requests by reason are measured
+here, in the API process, as the outputs arrive (vLLM does the same in its frontend).
+Each app gets its own registry, so several servers in one process never collide.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from stepahead.engine.async_llm import IterationStats
+from stepahead.outputs import EngineStats
+
+PREFIX = "stepahead:"
+
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0]
+E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0]
+
+
+def _token_buckets(max_model_len: int) -> list[float]:
+    """1-2-5 buckets up to the context length."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_model_len:
+                return out
+            out.append(float(m * scale))
+        scale *= 10
+
+
+class EngineStatsCollector(Collector):
+    """Exposes the latest EngineStats snapshot at scrape time."""
+
+    def __init__(self, get_stats: Callable[[], EngineStats], model_name: str) -> None:
+        self._get_stats = get_stats
+        self._labels = {"model_name": model_name}
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._get_stats()
+        yield self._gauge("num_requests_running", "Requests in model-execution batches.", s.num_running)
+        yield self._gauge("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
+        yield self._gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", s.kv_cache_usage)
+        yield self._gauge("kv_cache_free_blocks", "KV-cache blocks in the free pool.", s.num_free_blocks)
+        yield self._gauge("kv_cache_total_blocks", "Usable KV-cache blocks.", s.num_total_blocks)
+        yield self._gauge("worker_utilization", "Worker busy time / wall time while the engine had work.",
+                          s.utilization)
+        yield self._counter("prefix_cache_queries", "Prefix-cache lookups, in tokens.", s.prefix_cache_queries)
+        yield self._counter("prefix_cache_hits", "Prefix-cache hits, in tokens.", s.prefix_cache_hits)
+        yield self._counter("num_preemptions", "Cumulative preemptions.", s.preemptions)
+        yield self._counter("prompt_tokens", "Prefill tokens processed.", s.prompt_tokens)
+        yield self._counter("generation_tokens", "Generation tokens processed.", s.generation_tokens)
+        yield self._counter("forward_steps", "Non-empty steps executed by the worker.", s.forward_steps)
+        yield self._counter("wasted_request_steps",
+                            "Request slots computed for requests that had already finished.", s.wasted_request_steps)
+        yield self._counter("worker_busy_seconds", "Time the worker spent executing steps.", s.busy_s)
+        yield self._counter("engine_busy_wall_seconds", "Wall time during which the engine had work.", s.wall_s)
+
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        m = GaugeMetricFamily(PREFIX + name, doc, labels=list(self._labels))
+        m.add_metric(list(self._labels.values()), value)
+        return m
+
+    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        m = CounterMetricFamily(PREFIX + name, doc, labels=list(self._labels))
+        m.add_metric(list(self._labels.values()), value)
+        return m
+
+
+class ServerMetrics:
+    """The registry of one server; `record` is an AsyncLLM stats listener."""
+
+    def __init__(self, model_name: str, max_model_len: int, get_stats: Callable[[], EngineStats]) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineStatsCollector(get_stats, model_name))
+        labels = ["model_name"]
+        reg = self.registry
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token, from arrival.",
+                              labels, buckets=TTFT_BUCKETS, registry=reg).labels(model_name)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Gap between successive outputs.",
+                             labels, buckets=ITL_BUCKETS, registry=reg).labels(model_name)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to finish.",
+                             labels, buckets=E2E_BUCKETS, registry=reg).labels(model_name)
+        tokens = _token_buckets(max_model_len)
+        self.req_prompt = Histogram(PREFIX + "request_prompt_tokens", "Prompt tokens per request.",
+                                    labels, buckets=tokens, registry=reg).labels(model_name)
+        self.req_gen = Histogram(PREFIX + "request_generation_tokens", "Generated tokens per request (choice).",
+                                 labels, buckets=tokens, registry=reg).labels(model_name)
+        self.success = Counter(PREFIX + "request_success", "Finished requests (choices) by finish reason.",
+                               ["model_name", "finished_reason"], registry=reg)
+
+    def record(self, it: IterationStats, engine_stats: EngineStats | None) -> None:
+        for v in it.ttfts_s:
+            self.ttft.observe(v)
+        for v in it.itls_s:
+            self.itl.observe(v)
+        for f in it.finished:
+            self.success.labels(self.model_name, f.finish_reason).inc()
+            if f.finish_reason != "abort":
+                self.e2e.observe(f.e2e_s)
+                self.req_prompt.observe(f.num_prompt_tokens)
+                self.req_gen.observe(f.num_generation_tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,190 @@
+"""What the completions and chat handlers share: model names, request -> SamplingParams, SSE, cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from stepahead.entrypoints.openai.errors import APIError, error_body, error_from_exception
+from stepahead.entrypoints.openai.protocol import SamplingFields
+from stepahead.sampling_params import SamplingParams, StructuredOutputsParams
+
+logger = logging.getLogger("stepahead.entrypoints.openai")
+
+MAX_N = 128  # choices per prompt; each is a full engine request
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf
+
+
+@dataclass
+class ServedModel:
+    names: list[str]
+    root: str
+    max_model_len: int
+    _logged_ignored: set[str] = field(default_factory=set)
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+    def check(self, requested: str | None) -> str:
+        """The name to answer with; 404 for a model this server does not serve."""
+        if requested is None or requested == "":
+            return self.name
+        if requested not in self.names:
+            raise APIError(f"The model `{requested}` does not exist.", 404, "model")
+        return requested
+
+    def log_ignored_fields(self, req: Any) -> None:
+        """Unknown request fields are accepted; say so once per field name."""
+        extra = getattr(req, "model_extra", None) or {}
+        new = sorted(k for k in extra if k not in self._logged_ignored)
+        if new:
+            self._logged_ignored.update(new)
+            logger.warning("The following fields were present in the request but ignored: %s", new)
+
+
+def reject_unsupported(req: SamplingFields) -> None:
+    """Fields that would change the output but are not implemented: a 400, never a silent ignore."""
+    if req.logit_bias:
+        raise APIError("logit_bias is not supported by this server", 400, "logit_bias")
+    if req.best_of is not None and req.best_of != req.n:
+        raise APIError(f"best_of must equal n ({req.n}) (best-of sampling is not supported), got {req.best_of}",
+                       400, "best_of")
+    if not 1 <= req.n <= MAX_N:
+        raise APIError(f"n must be in [1, {MAX_N}], got {req.n}", 400, "n")
+    if req.stream_options is not None and not req.stream:
+        raise APIError("Stream options can only be defined when `stream=True`.", 400, "stream_options")
+
+
+def structured_outputs_of(req: SamplingFields) -> StructuredOutputsParams | None:
+    so = req.structured_outputs
+    rf = req.response_format
+    if rf is not None and rf.type != "text":
+        if so is not None:
+            raise APIError("Only one of response_format and structured_outputs may be set", 400, "response_format")
+        if rf.type == "json_object":
+            return StructuredOutputsParams(json={"type": "object"})
+        schema = (rf.json_schema or {}).get("schema")
+        if schema is None:
+            raise APIError("response_format.json_schema.schema is required", 400, "response_format")
+        return StructuredOutputsParams(json=schema)
+    if so is None:
+        return None
+    return StructuredOutputsParams(json=so.json_schema, regex=so.regex, choice=so.choice, grammar=so.grammar)
+
+
+def sampling_params_of(req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    """Raises ValueError (a 400) naming the field and its range."""
+    return SamplingParams(
+        n=req.n,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=0 if req.top_k is None else req.top_k,
+        min_p=0.0 if req.min_p is None else req.min_p,
+        seed=req.seed,
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
+        stop=req.stop,
+        stop_token_ids=req.stop_token_ids,
+        ignore_eos=req.ignore_eos,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        logprobs=logprobs,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        skip_special_tokens=req.skip_special_tokens,
+        structured_outputs=structured_outputs_of(req),
+    )
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def check_finish(finish_reason: str | None, stop_reason: Any) -> None:
+    """A choice the engine could not finish normally fails the whole response with a 500."""
+    if finish_reason == "error":
+        raise APIError(f"The engine failed this request: {stop_reason or 'internal error'}", 500)
+    if finish_reason == "abort":
+        raise APIError("The request was aborted (the server is shutting down)", 500)
+
+
+def clamp(logprob: float) -> float:
+    return max(logprob, LOGPROB_FLOOR)
+
+
+# -- server-sent events ---------------------------------------------------------------------------
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_error(e: BaseException) -> str:
+    err = error_from_exception(e)
+    if err.status >= 500:
+        logger.error("Streaming request failed: %s", err.message)
+    return sse(error_body(err.message, err.status, err.param))
+
+
+class SSEResponse(StreamingResponse):
+    """A StreamingResponse that always closes its body generator.
+
+    When the client disconnects, Starlette cancels the response while the generator may be parked
+    at a `yield`; closing it runs the handler's cleanup (the engine abort) now, not at some later
+    garbage collection.
+    """
+
+    def __init__(self, content: AsyncIterator[str]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with contextlib.suppress(Exception):
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+async def with_cancellation(raw_request: Request, work: Awaitable[Any]) -> Any:
+    """Run a non-streaming handler, cancelling it (and so aborting its requests) if the client leaves.
+
+    Listens on receive() for http.disconnect rather than polling is_disconnected(), which does not
+    see disconnects behind middleware.
+    """
+    task = asyncio.ensure_future(work)
+    listener = asyncio.ensure_future(_wait_disconnect(raw_request))
+    try:
+        done, _ = await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        listener.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+    raise APIError("Client disconnected", 499)
+
+
+async def _wait_disconnect(raw_request: Request) -> None:
+    while True:
+        message = await raw_request.receive()
+        if message["type"] == "http.disconnect":
+            return
