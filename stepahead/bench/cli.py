@@ -1,0 +1,29 @@
+"""`stepahead bench serve|throughput|latency`, registered by stepahead.entrypoints.cli."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    from stepahead.entrypoints.engine_flags import add_engine_args
+
+    bench = subparsers.add_parser("bench", help="benchmarks: serve (HTTP load), throughput (offline), latency")
+    sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
+
+    from stepahead.bench import latency, serve, throughput
+
+    serve_p = sub.add_parser("serve", help="load an OpenAI-compatible server and report vLLM's serving metrics")
+    serve.add_arguments(serve_p)
+    serve_p.set_defaults(func=serve.main)
+
+    # "resolve": the bench's --trace FILE.json replaces the engine's boolean --trace flag.
+    for name, module, text in (
+        ("throughput", throughput, "offline throughput on nano-vllm's protocol; --compare sync|transformers"),
+        ("latency", latency, "one batch end to end and the per-step latency distribution"),
+    ):
+        p = sub.add_parser(name, help=text, conflict_handler="resolve")
+        add_engine_args(p, positional_model=False)
+        module.add_arguments(p)
+        p.set_defaults(func=module.main)
+    return bench

