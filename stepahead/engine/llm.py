@@ -89,6 +89,7 @@ class LLM:
                 for ro in self._step():  # the LLM is not reentrant: these are all this request's
                     finished = ro.finished
                     yield ro
+            self._drain()
         finally:
             if not finished:
                 self._abort([request_id])
@@ -159,6 +160,7 @@ class LLM:
                     for ro in self._step():
                         results[order[ro.request_id]] = ro
                         bar.update(1)
+            self._drain()
         except BaseException:
             # KeyboardInterrupt or an engine failure: leave no request of this call behind.
             self._abort([rid for rid in added if results[order[rid]] is None])
@@ -182,6 +184,16 @@ class LLM:
         if to_abort:  # stop strings: the frontend finished these, the engine still runs them
             self.engine_core.abort_requests(to_abort)
         return request_outputs
+
+    def _drain(self) -> None:
+        """Run the engine until idle once every request of the call has its output.
+
+        What remains is bookkeeping: steps in flight for requests that already finished (the wasted
+        step after a stop token, or a stop string's abort) and the empty step that tells the worker
+        which requests finished. Draining it keeps calls independent and stats() complete.
+        """
+        while self.engine_core.has_work():
+            self._step()
 
     def _abort(self, request_ids: list[str]) -> None:
         engine_ids = [eid for rid in request_ids for eid in self.output_processor.abort_request(rid)]

@@ -1,0 +1,78 @@
+"""The same prompts give the same tokens whatever the engine configuration (greedy and seeded sampling).
+
+Baseline: async scheduling, batch-queue depth 2, prefix caching and chunked prefill on, uni executor.
+Each other configuration changes one thing (or two: preemption under sync scheduling).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from stepahead import LLM, SamplingParams
+from tests.tiny_models import hf_greedy
+
+MAX_TOKENS = 12
+MAX_MODEL_LEN = 128
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(1)
+    base = [[rng.randrange(3, 2048) for _ in range(n)] for n in (5, 19, 40, 64)]
+    # A repeat and a shared 32-token prefix: the prefix cache has something to find.
+    return base + [list(base[2]), base[3][:32] + [rng.randrange(3, 2048) for _ in range(9)]]
+
+
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+SEEDED = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=100 + i) for i in range(len(_prompts()))]
+
+CONFIGS = {
+    "sync": dict(async_scheduling=False),
+    "depth3": dict(max_concurrent_batches=3),
+    "preempt": dict(num_kv_blocks=10),
+    "preempt_sync": dict(num_kv_blocks=10, async_scheduling=False),
+    "chunked": dict(max_num_batched_tokens=8),
+    "chunked_sync": dict(max_num_batched_tokens=8, async_scheduling=False),
+    "no_prefix_cache": dict(enable_prefix_caching=False),
+    "mp": dict(executor="mp"),
+}
+
+
+def _run(model, **overrides):
+    kwargs = dict(executor="uni", max_model_len=MAX_MODEL_LEN) | overrides
+    with LLM(str(model), **kwargs) as llm:
+        prompts = [{"prompt_token_ids": p} for p in _prompts()]
+        greedy = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        seeded = [o.outputs[0].token_ids for o in llm.generate(prompts, SEEDED, use_tqdm=False)]
+        return greedy, seeded, llm.stats(), llm.config
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_llama):
+    return _run(tiny_llama)
+
+
+def test_baseline_is_async_and_matches_transformers(tiny_llama, baseline):
+    greedy, seeded, stats, config = baseline
+    assert config.async_scheduling and config.max_concurrent_batches == 2
+    assert greedy == hf_greedy(tiny_llama, _prompts(), MAX_TOKENS)
+    assert stats.prefix_cache_hits > 0  # the repeat, the shared prefix, and the second pass
+    assert stats.preemptions == 0
+    assert all(len(s) == MAX_TOKENS for s in seeded)
+    assert seeded != greedy
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_same_tokens_across_configs(tiny_llama, baseline, name):
+    greedy, seeded, stats, config = _run(tiny_llama, **CONFIGS[name])
+    assert greedy == baseline[0]
+    assert seeded == baseline[1]
+    if name.startswith("preempt"):
+        assert stats.preemptions > 0
+    if name.endswith("sync"):
+        assert not config.async_scheduling and config.max_concurrent_batches == 1
+    if name == "no_prefix_cache":
+        assert stats.prefix_cache_hits == 0
+    if name.startswith("chunked"):
+        assert config.scheduler_config.max_num_batched_tokens == 8

@@ -1,0 +1,80 @@
+"""Bad input raises ValueError before anything runs; a dead worker raises a clear error, never a hang."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from stepahead import LLM, SamplingParams
+
+PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+GOOD = {"prompt_token_ids": [11, 12, 13, 14]}
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    with LLM(str(tiny_llama), executor="uni", max_model_len=64) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def expected(llm):
+    (out,) = llm.generate(GOOD, PARAMS, use_tqdm=False)
+    return out.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("bad, match", [
+    ("", "prompt must not be empty"),
+    ({"prompt_token_ids": []}, "prompt must not be empty"),
+    ({"prompt_token_ids": [5, 2048]}, r"prompt_token_ids must be token ids in \[0, 2048\)"),
+    ({"prompt_token_ids": [-1]}, r"prompt_token_ids must be token ids in \[0, 2048\)"),
+    ({"prompt_token_ids": [5] * 60}, "maximum context length is 64 tokens. However, you requested 66 tokens"),
+])
+def test_bad_prompt_raises_and_nothing_runs(llm, expected, bad, match):
+    before = llm.stats()
+    with pytest.raises(ValueError, match=match):
+        llm.generate([GOOD, bad, GOOD], PARAMS, use_tqdm=False)
+    after = llm.stats()
+    assert after.prompt_tokens == before.prompt_tokens  # nothing of the batch was added
+    assert not llm.engine_core.has_work() and not llm.output_processor.has_unfinished_requests()
+    (out,) = llm.generate(GOOD, PARAMS, use_tqdm=False)
+    assert out.outputs[0].token_ids == expected
+
+
+def test_bad_request_leaves_a_stream_in_flight_untouched(llm, expected):
+    stream = llm.generate_stream(GOOD, PARAMS)
+    first = next(stream)
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        llm.generate(GOOD, SamplingParams(stop_token_ids=[10**6]), use_tqdm=False)
+    rest = list(stream)
+    assert [t for d in [first, *rest] for t in d.outputs[0].token_ids] == expected
+
+
+def test_bad_sampling_params_list_length(llm):
+    with pytest.raises(ValueError, match="one per prompt"):
+        llm.generate([GOOD, GOOD], [PARAMS], use_tqdm=False)
+
+
+def test_unknown_engine_argument():
+    with pytest.raises(TypeError, match="max_num_seq"):
+        LLM("unused", max_num_seq=4)
+
+
+def test_killed_worker_raises_clear_error(tiny_llama):
+    llm = LLM(str(tiny_llama), executor="mp", max_model_len=64)
+    try:
+        (ok,) = llm.generate(GOOD, PARAMS, use_tqdm=False)
+        stream = llm.generate_stream(GOOD, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+        next(stream)
+        pid = llm._executor.worker_pid
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(RuntimeError, match=r"engine died.*worker process \(pid \d+\) died unexpectedly"):
+            list(stream)
+        with pytest.raises(RuntimeError, match="died earlier"):
+            llm.generate(GOOD, PARAMS, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    with pytest.raises(RuntimeError):
+        llm.generate(GOOD, PARAMS, use_tqdm=False)
