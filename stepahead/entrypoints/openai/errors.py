@@ -104,12 +104,17 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _api(request: Request, exc: APIError) -> JSONResponse:
         return JSONResponse(error_body(exc.message, exc.status, exc.param, exc.err_type), status_code=exc.status)
 
-    @app.exception_handler(Exception)
-    async def _other(request: Request, exc: Exception) -> JSONResponse:
-        err = error_from_exception(exc)
-        if err.status >= 500:
-            logger.error("Request failed: %r", exc, exc_info=exc)
-        return JSONResponse(error_body(err.message, err.status, err.param), status_code=err.status)
+    # Handlers keyed on Exception itself run in Starlette's outermost middleware, which re-raises
+    # afterwards and drops the connection; naming the classes keeps them ordinary responses.
+    for cls in (ValueError, TypeError, OverflowError, RuntimeError, KeyError, AttributeError, NotImplementedError):
+        app.add_exception_handler(cls, exception_response)
+
+
+async def exception_response(request: Request, exc: Exception) -> JSONResponse:
+    err = error_from_exception(exc)
+    if err.status >= 500:
+        logger.error("Request failed: %r", exc, exc_info=exc)
+    return JSONResponse(error_body(err.message, err.status, err.param), status_code=err.status)
 
 
 class APIKeyMiddleware:

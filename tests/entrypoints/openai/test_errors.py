@@ -1,0 +1,144 @@
+"""Every bad input gets its status and an OpenAI-shaped error body, and the server keeps serving."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.entrypoints.openai.conftest import MODEL_NAME
+from tests.tiny_models import VOCAB_SIZE
+
+P = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 2}
+M = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+BAD_COMPLETIONS = [
+    # (body overrides, expected param or None, a phrase the message must contain)
+    ({"temperature": -1}, "temperature", "temperature"),
+    ({"top_p": 0}, "top_p", "top_p"),
+    ({"top_p": 1.5}, "top_p", "top_p"),
+    ({"top_k": 1.5}, "top_k", "top_k"),
+    ({"top_k": -2}, "top_k", "top_k"),
+    ({"min_p": 2}, "min_p", "min_p"),
+    ({"n": 0}, "n", "n must be"),
+    ({"n": 1000}, "n", "n must be"),
+    ({"max_tokens": 0}, "max_tokens", "max_tokens"),
+    ({"max_tokens": -5}, "max_tokens", "max_tokens"),
+    ({"min_tokens": 5, "max_tokens": 2}, "min_tokens", "min_tokens"),
+    ({"logprobs": 21}, "logprobs", "logprobs"),
+    ({"logprobs": -1}, "logprobs", "logprobs"),
+    ({"presence_penalty": 3}, "presence_penalty", "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty", "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty", "repetition_penalty"),
+    ({"stop": [""]}, "stop", "stop"),
+    ({"stop_token_ids": [VOCAB_SIZE + 5]}, "stop_token_ids", "stop_token_ids"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids", "stop_token_ids"),
+    ({"prompt": ""}, "prompt", "empty"),
+    ({"prompt": []}, "prompt", "empty"),
+    ({"prompt": [[]]}, "prompt", "empty"),
+    ({"prompt": [VOCAB_SIZE + 1]}, "prompt_token_ids", str(VOCAB_SIZE)),
+    ({"prompt": [-3]}, "prompt_token_ids", str(VOCAB_SIZE)),
+    ({"prompt": 123}, "prompt", ""),
+    ({"prompt": [5] * 600}, None, "maximum context length is 512 tokens"),
+    ({"prompt": [5] * 500, "max_tokens": 100}, None, "maximum context length is 512 tokens"),
+    ({"stream_options": {"include_usage": True}}, "stream_options", "stream"),
+    ({"suffix": "x"}, "suffix", "suffix"),
+    ({"logit_bias": {"5": 1.0}}, "logit_bias", "logit_bias"),
+    ({"best_of": 2}, "best_of", "best_of"),
+    ({"seed": 2**64}, "seed", ""),
+    ({"echo": True, "logprobs": 1}, "echo", "echo"),
+    ({"response_format": {"type": "bogus"}}, "response_format", ""),
+    ({"stream": "maybe"}, "stream", ""),
+]
+
+
+def _check_error(r, status: int, param: str | None = None, phrase: str = "") -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["code"] == status and isinstance(err["message"], str) and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    assert phrase.lower() in err["message"].lower(), err
+    return err
+
+
+def _ok(http) -> None:
+    r = http.post("/v1/completions", json=P)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize("override,param,phrase", BAD_COMPLETIONS,
+                         ids=[str(sorted(o))[:40] for o, _, _ in BAD_COMPLETIONS])
+def test_bad_completion_request(http, override, param, phrase):
+    r = http.post("/v1/completions", json={**P, **override})
+    _check_error(r, 400, param, phrase)
+    _ok(http)
+
+
+@pytest.mark.parametrize("override,param,phrase", [
+    ({"messages": []}, "messages", ""),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages", "text"),
+    ({"messages": [{"content": "no role"}]}, "messages", ""),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "top_logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs", "logprobs"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tools"),
+    ({"add_generation_prompt": True, "continue_final_message": True}, "continue_final_message", ""),
+    ({"max_completion_tokens": 0}, "max_tokens", "max_tokens"),
+    ({"max_completion_tokens": 600}, None, "maximum context length is 512 tokens"),
+    ({"stop_token_ids": [VOCAB_SIZE]}, "stop_token_ids", "stop_token_ids"),
+])
+def test_bad_chat_request(http, override, param, phrase):
+    r = http.post("/v1/chat/completions", json={**M, **override})
+    _check_error(r, 400, param, phrase)
+    _ok(http)
+
+
+def test_malformed_bodies_are_400_not_422(http):
+    r = http.post("/v1/completions", content=b'{"prompt": "x", "temperature": NaN}',
+                  headers={"content-type": "application/json"})
+    _check_error(r, 400)
+    r = http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    _check_error(r, 400)
+    r = http.post("/v1/completions", content=b"prompt=hello", headers={"content-type": "text/plain"})
+    _check_error(r, 400, phrase="application/json")
+    r = http.post("/v1/completions", json={"max_tokens": 3})
+    _check_error(r, 400, "prompt")
+    r = http.post("/v1/chat/completions", json=[1, 2])
+    _check_error(r, 400)
+    _ok(http)
+
+
+def test_unknown_model_is_404(http, client):
+    err = _check_error(http.post("/v1/completions", json={**P, "model": "nope"}), 404, "model", "`nope`")
+    assert err["type"] == "NotFoundError"
+    _check_error(http.post("/v1/chat/completions", json={**M, "model": "nope"}), 404, "model")
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x", max_tokens=1)
+    _check_error(http.get("/v1/no-such-route"), 404)
+
+
+def test_openai_client_raises_bad_request(client):
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=1, logprobs=30)
+    assert "logprobs" in str(exc.value)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=1, stream=False,
+                                  stream_options={"include_usage": True})
+    assert client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=1).choices[0].text is not None
+
+
+def test_unknown_fields_are_accepted_and_logged_once(http, server):
+    for _ in range(2):
+        r = http.post("/v1/completions", json={**P, "frobnicate_level": 3})
+        assert r.status_code == 200, r.text
+    lines = [line for line in server.lines if "frobnicate_level" in line]
+    assert len(lines) == 1 and "ignored" in lines[0]
+
+
+def test_tokenize_and_detokenize_errors(http):
+    _check_error(http.post("/tokenize", json={}), 400, "prompt")
+    _check_error(http.post("/detokenize", json={"tokens": [VOCAB_SIZE]}), 400, "tokens")
+    _check_error(http.post("/detokenize", json={"tokens": "abc"}), 400, "tokens")
+    _check_error(http.post("/tokenize", json={"prompt": "x", "model": "nope"}), 404, "model")
