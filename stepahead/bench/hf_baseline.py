@@ -109,15 +109,19 @@ def run_generate(hf_model, requests: list[SampleRequest], batch_size: int, pad_t
                           sum(r.prompt_len for r in requests), produced)
 
 
-def run_generate_batch(hf_model, requests: list[SampleRequest], max_batch_tokens: int | None = None) -> BaselineResult:
-    """transformers' continuous batching, one request per prompt with its own max_new_tokens, EOS disabled."""
+def run_generate_batch(hf_model, requests: list[SampleRequest], max_batch_tokens: int) -> BaselineResult:
+    """transformers' continuous batching, one request per prompt with its own max_new_tokens, EOS disabled.
+
+    Its paged cache is sized to hold every request at once (left to itself it sizes the cache from free
+    memory, which on CPU means zero-filling gigabytes first) and its step budget is the engine's.
+    """
     import transformers
 
     gen_config = transformers.GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0,
                                                max_new_tokens=max(r.expected_output_len for r in requests))
-    cb_config = None
-    if max_batch_tokens is not None:
-        cb_config = transformers.ContinuousBatchingConfig(max_batch_tokens=max_batch_tokens)
+    page = transformers.ContinuousBatchingConfig().page_size
+    blocks = sum(-(-(r.prompt_len + r.expected_output_len) // page) for r in requests) + len(requests)
+    cb_config = transformers.ContinuousBatchingConfig(num_blocks=blocks, max_batch_tokens=max_batch_tokens)
     manager = hf_model.init_continuous_batching(generation_config=gen_config, continuous_batching_config=cb_config)
     manager.start()
     try:

@@ -47,6 +47,7 @@ def compute_metrics(results: Sequence[RequestResult], duration: float, percentil
         "total_input_tokens": total_in,
         "total_output_tokens": total_out,
         "request_throughput": len(ok) / duration if duration > 0 else 0.0,
+        "request_goodput": None,  # vLLM's key; no --goodput SLOs here
         "output_throughput": total_out / duration if duration > 0 else 0.0,
         "total_token_throughput": (total_in + total_out) / duration if duration > 0 else 0.0,
         "max_output_tokens_per_s": peak_output_tokens_per_s(ok),

@@ -208,12 +208,13 @@ def run_compare_transformers(ns, engine_args: EngineArgs, tracing: bool) -> dict
         label = "stepahead " + ("async" if llm.config.async_scheduling else "sync")
         ours = run_once(llm, label, requests, sampling_params(requests, 0.0, True), ns.progress)
         device, dtype = llm.config.device, llm.config.model_config.dtype
+        step_tokens = llm.config.scheduler_config.max_num_batched_tokens
     finally:
         llm.shutdown()
     print(ours.line())
     hf = load_hf_model(engine_args.model, engine_args.load_format).to(device=device, dtype=getattr(torch, dtype))
     batch = ns.hf_batch_size or min(engine_args.max_num_seqs, len(requests))
-    baselines = [run_generate(hf, requests, batch), run_generate_batch(hf, requests)]
+    baselines = [run_generate(hf, requests, batch), run_generate_batch(hf, requests, step_tokens)]
     for b in baselines:
         print(f"[{b.name}] {b.num_requests} requests, {b.output_tokens} output tokens in {b.elapsed_s:.2f} s: "
               f"output {b.output_tok_s:.1f} tok/s, total {b.total_tok_s:.1f} tok/s")
