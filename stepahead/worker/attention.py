@@ -1,7 +1,9 @@
 """Paged KV cache and attention over it for a mixed prefill + decode batch (torch SDPA, CPU and CUDA).
 
-Layout: one K and one V tensor per layer, shaped [num_blocks, block_size, num_kv_heads, head_dim], so a
-request's context is gathered block-wise with a single `index_select(out=...)` into a reusable buffer.
+Layout: one K and one V tensor per layer, shaped [num_kv_heads, num_blocks, block_size, head_dim]
+(head-major), so a request's context is gathered block-wise with one `index_select(out=...)` into a
+reusable buffer, and the gathered [kv_heads, rows, tokens, head_dim] tensor feeds SDPA with every
+(head, row) slab contiguous (measured faster than token-major for both the gather and SDPA on CPU).
 
 The flattened batch is ordered by the model runner as: single-token rows first (decodes, and one-token
 prefill chunks), then multi-token rows. Single-token rows are attended in one padded SDPA call; each
@@ -35,7 +37,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] long: flat slot (block * block_size + offset) of each new token
     num_decode: int  # the first num_decode tokens are single-token rows
     decode_block_table: torch.Tensor | None  # [num_decode, max_blocks] long (padding points at null block 0)
-    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_blocks * block_size] bool: key is valid
+    decode_mask: torch.Tensor | None  # [1, num_decode, 1, max_blocks * block_size] bool: key is valid
     prefills: list[PrefillRow] = field(default_factory=list)
 
 
@@ -46,15 +48,18 @@ class KVGatherBuffer:
         self.block_elems = block_elems
         self.dtype = dtype
         self.device = device
-        self.k = torch.empty(0, block_elems, dtype=dtype, device=device)
-        self.v = torch.empty(0, block_elems, dtype=dtype, device=device)
+        self.k = torch.empty(0, dtype=dtype, device=device)
+        self.v = torch.empty(0, dtype=dtype, device=device)
 
-    def get(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.k.shape[0] < num_blocks:
-            cap = max(num_blocks, 2 * self.k.shape[0])
-            self.k = torch.empty(cap, self.block_elems, dtype=self.dtype, device=self.device)
-            self.v = torch.empty(cap, self.block_elems, dtype=self.dtype, device=self.device)
-        return self.k[:num_blocks], self.v[:num_blocks]
+    def get(self, num_kv_heads: int, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two [num_kv_heads, num_blocks, block_elems] views of the scratch memory."""
+        need = num_kv_heads * num_blocks * self.block_elems
+        if self.k.numel() < need:
+            cap = max(need, 2 * self.k.numel())
+            self.k = torch.empty(cap, dtype=self.dtype, device=self.device)
+            self.v = torch.empty(cap, dtype=self.dtype, device=self.device)
+        shape = (num_kv_heads, num_blocks, self.block_elems)
+        return self.k[:need].view(shape), self.v[:need].view(shape)
 
 
 class PagedKVCache:
@@ -65,13 +70,14 @@ class PagedKVCache:
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (num_kv_heads, num_blocks, block_size, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.scratch = KVGatherBuffer(block_size * num_kv_heads * head_dim, dtype, device)
+        self.scratch = KVGatherBuffer(block_size * head_dim, dtype, device)
+        self.layers = [LayerKV(k, v, self.scratch) for k, v in zip(self.k, self.v, strict=True)]
 
     def layer(self, i: int) -> LayerKV:
-        return LayerKV(self.k[i], self.v[i], self.scratch)
+        return self.layers[i]
 
 
 @dataclass
@@ -84,20 +90,19 @@ class LayerKV:
 def write_kv(kv: LayerKV, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store the new tokens' K/V ([num_tokens, kv_heads, head_dim]) at their slots."""
     nkv, hd = k.shape[1], k.shape[2]
-    kv.k_cache.view(-1, nkv, hd).index_copy_(0, slot_mapping, k)
-    kv.v_cache.view(-1, nkv, hd).index_copy_(0, slot_mapping, v)
+    kv.k_cache.view(nkv, -1, hd).index_copy_(1, slot_mapping, k.transpose(0, 1))
+    kv.v_cache.view(nkv, -1, hd).index_copy_(1, slot_mapping, v.transpose(0, 1))
 
 
 def _gather(kv: LayerKV, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K/V of the blocks in block_table ([rows, nb] or [nb]) as [rows, nb * block_size, kv_heads, head_dim]."""
+    """K/V of the blocks in block_table ([rows, nb] or [nb]) as [kv_heads, rows, nb * block_size, head_dim]."""
     flat = block_table.reshape(-1)
-    kbuf, vbuf = kv.scratch.get(flat.shape[0])
-    nb_total = kv.k_cache.shape[0]
-    torch.index_select(kv.k_cache.view(nb_total, -1), 0, flat, out=kbuf)
-    torch.index_select(kv.v_cache.view(nb_total, -1), 0, flat, out=vbuf)
+    nkv, nb_total, _bs, hd = kv.k_cache.shape
+    kbuf, vbuf = kv.scratch.get(nkv, flat.shape[0])
+    torch.index_select(kv.k_cache.view(nkv, nb_total, -1), 1, flat, out=kbuf)
+    torch.index_select(kv.v_cache.view(nkv, nb_total, -1), 1, flat, out=vbuf)
     rows = block_table.shape[0] if block_table.dim() == 2 else 1
-    shape = (rows, -1, kv.k_cache.shape[2], kv.k_cache.shape[3])
-    return kbuf.view(shape), vbuf.view(shape)
+    return kbuf.view(nkv, rows, -1, hd), vbuf.view(nkv, rows, -1, hd)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV,
@@ -114,12 +119,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Layer
     nd = meta.num_decode
     if nd:
         # Grouped-query trick: the `group` query heads that share a KV head become `group` query rows,
-        # so no K/V repeat is needed and one mask row serves them all.
+        # so no K/V repeat is needed. SDPA sees kv heads as its batch and rows as its heads.
         kd, vd = _gather(kv, meta.decode_block_table)
-        qd = q[:nd].view(nd, nkv, group, hd)
-        o = F.scaled_dot_product_attention(qd, kd.transpose(1, 2), vd.transpose(1, 2),
-                                           attn_mask=meta.decode_mask, scale=scale)
-        out[:nd] = o.reshape(nd, num_heads, hd)
+        qd = q[:nd].view(nd, nkv, group, hd).transpose(0, 1)
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
+        out[:nd] = o.transpose(0, 1).reshape(nd, num_heads, hd)
     for row in meta.prefills:
         n = row.end - row.start
         qp = q[row.start:row.end].transpose(0, 1).unsqueeze(0)  # [1, heads, n, hd]
@@ -130,8 +134,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Layer
         else:
             kc, vc = _gather(kv, row.block_table)
             total = row.context_len + n
-            kp = kc[:, :total].transpose(1, 2)
-            vp = vc[:, :total].transpose(1, 2)
+            kp = kc[:, :, :total].transpose(0, 1)  # [1, kv_heads, total, hd]
+            vp = vc[:, :, :total].transpose(0, 1)
             o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=row.mask, scale=scale, enable_gqa=group > 1)
         out[row.start:row.end] = o[0].transpose(0, 1)
     return out

@@ -183,7 +183,7 @@ class ModelRunner:
             decode_bt = stg.view(bt_off, num_decode * max_nb, (num_decode, max_nb))
             keys = self.arange[: max_nb * bs]
             decode_mask = (keys.unsqueeze(0) < stg.view(lens_off, num_decode).unsqueeze(1)).view(
-                num_decode, 1, 1, max_nb * bs)
+                1, num_decode, 1, max_nb * bs)
         prefills = []
         for (s, e, c, _need), tb in zip(prefill_specs, pf_tables, strict=True):
             if tb is None:
