@@ -19,6 +19,7 @@ from stepahead.engine.async_llm import IterationStats
 from stepahead.outputs import EngineStats
 
 PREFIX = "stepahead:"
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
@@ -99,6 +100,8 @@ class ServerMetrics:
                                  labels, buckets=tokens, registry=reg).labels(model_name)
         self.success = Counter(PREFIX + "request_success", "Finished requests (choices) by finish reason.",
                                ["model_name", "finished_reason"], registry=reg)
+        for reason in FINISH_REASONS:  # present (at 0) from the start, so rates work from the first scrape
+            self.success.labels(model_name, reason)
 
     def record(self, it: IterationStats, engine_stats: EngineStats | None) -> None:
         for v in it.ttfts_s:
