@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from stepahead.config import EngineArgs
@@ -30,10 +31,17 @@ class LLM:
             raise TypeError(f"LLM() got unknown engine arguments {unknown}; valid ones: {EngineArgs.field_names()}")
         self.engine_args = EngineArgs(model=model, **kwargs)
         self.config = self.engine_args.create_engine_config()
-        self.tokenizer = load_tokenizer(self.config.model_config)
+        # The tokenizer loads while the worker loads the weights (both take seconds for a GGUF model).
+        with ThreadPoolExecutor(1, thread_name_prefix="stepahead-tokenizer") as pool:
+            tokenizer_future = pool.submit(load_tokenizer, self.config.model_config)
+            executor = make_executor(self.config)
+            try:
+                self.tokenizer = tokenizer_future.result()
+            except BaseException:
+                executor.shutdown()
+                raise
         self.input_processor = InputProcessor(self.config.model_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
-        executor = make_executor(self.config)
         try:
             self.engine_core = EngineCore(self.config, executor)
         except BaseException:
