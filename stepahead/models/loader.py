@@ -89,6 +89,11 @@ def load_model_config(args: EngineArgs, device: str) -> ModelConfig:
         raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3)")
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
     model_max = margs.max_position_embeddings
+    window = _sliding_window(arch, cfg)
+    if window is not None and window < model_max:
+        # Sliding-window attention is not implemented; within the window it equals full attention,
+        # so capping the context keeps results exact.
+        model_max = window
     if args.max_model_len is not None and not (2 <= args.max_model_len <= model_max):
         raise ValueError(f"max_model_len must be in [2, {model_max}] (the model's max_position_embeddings), "
                          f"got {args.max_model_len}")
@@ -102,6 +107,15 @@ def load_model_config(args: EngineArgs, device: str) -> ModelConfig:
         eos_token_id=eos, seed=args.seed, load_format=load_format,
         served_model_name=args.served_model_name, tokenizer=args.tokenizer,
     )
+
+
+def _sliding_window(arch: str, cfg: dict) -> int | None:
+    window = cfg.get("sliding_window")
+    if not window:
+        return None
+    if arch == "MistralForCausalLM" or cfg.get("use_sliding_window"):
+        return int(window)
+    return None
 
 
 def _iter_safetensors(folder: Path):

@@ -215,6 +215,18 @@ class ModelRunner:
         self._step = _StepState(order, sample_rows, hidden, so.total_num_scheduled_tokens, t0, events)
         return None
 
+    def _row_sampling(self, st: CachedRequestState) -> RowSampling:
+        p = st.sampling_params
+        stops: list[int] = []
+        if p.min_tokens:
+            stops = list(p.stop_token_ids)
+            if self.eos_token_id is not None and not p.ignore_eos:
+                stops.append(self.eos_token_id)
+        num_out = len(st.token_ids) - st.num_prompt_tokens
+        # The output history is copied only for rows whose penalties read it.
+        outputs = st.output_token_ids if p.uses_penalties else []
+        return RowSampling(p, st.generator, st.prompt_token_ids, outputs, stops, num_out)
+
     @torch.inference_mode()
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
         step, self._step = self._step, None
@@ -222,14 +234,7 @@ class ModelRunner:
             raise RuntimeError("sample_tokens called without a preceding execute_model that ran a forward")
         t0 = time.monotonic()
         logits = self.model.compute_logits(step.hidden).float()
-        rows = []
-        for b in step.sample_rows:
-            st = self.requests[step.req_ids[b]]
-            stops = list(st.sampling_params.stop_token_ids)
-            if self.eos_token_id is not None and not st.sampling_params.ignore_eos:
-                stops.append(self.eos_token_id)
-            rows.append(RowSampling(st.sampling_params, st.generator, st.prompt_token_ids, st.output_token_ids,
-                                    stops))
+        rows = [self._row_sampling(self.requests[step.req_ids[b]]) for b in step.sample_rows]
         if grammar_output is not None and grammar_output.grammar_bitmask is not None:
             row_of = {step.req_ids[b]: i for i, b in enumerate(step.sample_rows)}
             pairs = [(row_of[r], k) for k, r in enumerate(grammar_output.structured_output_request_ids) if r in row_of]

@@ -25,8 +25,13 @@ class RowSampling:
     params: SamplingParams
     generator: torch.Generator | None
     prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    output_token_ids: list[int]  # may be empty when the row uses no penalties (only its count matters then)
     stop_token_ids: list[int]  # suppressed while fewer than min_tokens outputs exist (eos + stop_token_ids)
+    num_output_tokens: int = -1  # -1: len(output_token_ids)
+
+    def __post_init__(self) -> None:
+        if self.num_output_tokens < 0:
+            self.num_output_tokens = len(self.output_token_ids)
 
 
 def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask) -> None:
@@ -46,7 +51,7 @@ def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask) -> None:
 
 def _apply_min_tokens(logits: torch.Tensor, rows: list[RowSampling]) -> None:
     for i, r in enumerate(rows):
-        if len(r.output_token_ids) < r.params.min_tokens and r.stop_token_ids:
+        if r.num_output_tokens < r.params.min_tokens and r.stop_token_ids:
             logits[i, r.stop_token_ids] = float("-inf")
 
 

@@ -1,0 +1,62 @@
+"""ModelRunner odds and ends: empty steps, traces and busy time, bf16, finished-request cleanup."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import torch
+
+from stepahead.config import EngineArgs
+from stepahead.core.sched_output import SchedulerOutput
+from stepahead.models.loader import load_model_config
+from stepahead.sampling_params import SamplingParams
+from stepahead.worker.model_runner import ModelRunner
+from tests.worker.driver import MiniSched, make_config
+
+
+def test_empty_step_applies_finished_and_returns_empty(tiny_llama):
+    runner = ModelRunner(make_config(tiny_llama))
+    sched = MiniSched(runner, 16)
+    sched.add("a", list(range(10, 30)), 1)
+    sched.run()
+    assert "a" in runner.requests
+    out = runner.execute_model(SchedulerOutput.make_empty({"a"}))
+    assert out.req_ids == [] and out.sampled_token_ids == []
+    assert "a" not in runner.requests
+
+
+def test_trace_events_and_busy_time(tiny_llama):
+    cfg = make_config(tiny_llama)
+    cfg = dataclasses.replace(cfg, trace=True)
+    runner = ModelRunner(cfg)
+    sched = MiniSched(runner, 16)
+    sched.add("a", list(range(10, 30)), 2)
+    sched.add("b", list(range(40, 45)), 2)
+    out = sched.step()
+    names = [e["name"] for e in out.trace_events]
+    assert names == ["prepare_inputs", "forward", "sample"]
+    assert all(e["lane"] == "worker" and e["end"] >= e["start"] for e in out.trace_events)
+    assert out.trace_events[0]["args"] == {"num_reqs": 2, "num_tokens": 25}
+    assert out.busy_s > 0
+
+
+def test_bfloat16_runs_and_mostly_agrees(tiny_llama):
+    prompt = list(range(100, 140))
+    outs = {}
+    for dtype in ("float32", "bfloat16"):
+        runner = ModelRunner(make_config(tiny_llama, dtype=dtype))
+        assert runner.kv_cache.k[0].dtype == getattr(torch, dtype)
+        sched = MiniSched(runner, 16)
+        sched.add("a", prompt, 4, SamplingParams(temperature=0.0))
+        outs[dtype] = sched.run()["a"]
+    assert outs["bfloat16"][0] == outs["float32"][0]
+
+
+def test_mistral_sliding_window_caps_context(tiny_model_factory, tmp_path):
+    folder = shutil.copytree(tiny_model_factory("mistral"), tmp_path / "mistral-sw")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["sliding_window"] = 64
+    (folder / "config.json").write_text(json.dumps(cfg))
+    assert load_model_config(EngineArgs(model=str(folder)), "cpu").max_model_len == 64
