@@ -164,13 +164,18 @@ def run_compare_sync(ns, engine_args: EngineArgs, tracing: bool) -> dict:
             warm_up(llm, requests)
         runs: list[RunResult] = []
         ratios = []
+        started = time.perf_counter()
         for i in range(ns.rounds):
+            spent = time.perf_counter() - started
+            if i > 0 and ns.time_budget and spent * (i + 1) / i > ns.time_budget:
+                print(f"stopping after {i} of {ns.rounds} rounds: another would pass --time-budget {ns.time_budget:g} s")
+                break
             # Alternate which mode goes first so slow drift of a shared machine hits both alike.
             order = ("async", "sync") if i % 2 == 0 else ("sync", "async")
             pair = {m: run_once(engines[m], m, requests, params, ns.progress, i + 1) for m in order}
             runs += [pair["sync"], pair["async"]]
             ratios.append(pair["async"].output_tok_s / pair["sync"].output_tok_s)
-            print(f"round {i + 1}/{ns.rounds}")
+            print(f"round {i + 1}/{ns.rounds}", flush=True)
             print("  " + pair["sync"].line())
             print("  " + pair["async"].line())
             print(f"  async / sync output throughput: {ratios[-1]:.3f}")
@@ -188,8 +193,9 @@ def run_compare_sync(ns, engine_args: EngineArgs, tracing: bool) -> dict:
         for mode in ("sync", "async")
     }
     summary["ratios"] = ratios
+    summary["rounds_run"] = len(ratios)
     summary["ratio_median"] = statistics.median(ratios)
-    print(f"median over {ns.rounds} rounds: sync {summary['sync']['output_tok_s_median']:.1f} tok/s "
+    print(f"median over {len(ratios)} rounds: sync {summary['sync']['output_tok_s_median']:.1f} tok/s "
           f"(utilization {summary['sync']['utilization_median']:.1%}), async "
           f"{summary['async']['output_tok_s_median']:.1f} tok/s (utilization "
           f"{summary['async']['utilization_median']:.1%}); async / sync = {summary['ratio_median']:.3f}")
@@ -269,6 +275,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--compare", choices=["sync", "transformers"], default=None,
                    help="sync: async vs sync scheduler, alternating; transformers: generate and generate_batch")
     g.add_argument("--rounds", type=int, default=3, help="rounds of --compare sync (default: %(default)s)")
+    g.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                   help="--compare sync: start no round that would end past this many seconds of rounds")
     g.add_argument("--hf-batch-size", type=int, default=None,
                    help="static batch size of transformers generate (default: min(max-num-seqs, num-prompts))")
     add_output_args(parser)
