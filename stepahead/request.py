@@ -109,7 +109,9 @@ class Request:
 
     def append_output_token_ids(self, token_ids: int | list[int]) -> None:
         if isinstance(token_ids, int):
-            token_ids = [token_ids]
+            self._output_token_ids.append(token_ids)
+            self._all_token_ids.append(token_ids)
+            return
         self._output_token_ids.extend(token_ids)
         self._all_token_ids.extend(token_ids)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Sequence
 
 from stepahead.config import CacheConfig
 from stepahead.core.block_pool import BlockPool, KVCacheBlock
@@ -24,6 +25,7 @@ def _none_hash() -> int:
 
 
 NONE_HASH = _none_hash()
+_NO_BLOCKS: tuple[KVCacheBlock, ...] = ()
 
 
 def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...], extra_keys: tuple | None) -> int:
@@ -138,7 +140,7 @@ class KVCacheManager:
         num_new_computed_tokens: int = 0,
         new_computed_blocks: list[KVCacheBlock] | None = None,
         num_lookahead_tokens: int = 0,
-    ) -> list[KVCacheBlock] | None:
+    ) -> Sequence[KVCacheBlock] | None:
         """Make room for num_new_tokens more tokens; returns the newly popped blocks, or None.
 
         None means the pool is short, and then nothing has changed. Hit blocks
@@ -151,6 +153,10 @@ class KVCacheManager:
         held = self.req_to_blocks.get(rid)
         num_held = len(held) if held is not None else 0
         num_new_blocks = max(-(-need_slots // self.block_size) - num_held - len(hits), 0)
+        if not num_new_blocks and not hits:  # the decode fast path: the last block has room
+            if self.enable_caching:
+                self.cache_blocks(request, min(total_computed + num_new_tokens, request.num_tokens))
+            return _NO_BLOCKS
         # Free hit blocks leave the free pool when touched, so they count against it too.
         num_evictable_hits = sum(1 for b in hits if b.ref_cnt == 0)
         if num_new_blocks + num_evictable_hits > self.block_pool.get_num_free_blocks():

@@ -350,8 +350,9 @@ class Scheduler:
         self, request: Request, new_token_ids: list[int], is_stale: bool = False
     ) -> tuple[list[int], bool]:
         """Append token by token, checking stop after each; truncate at the first stop."""
+        append = request.append_output_token_ids
         for k, tok in enumerate(new_token_ids):
-            request.append_output_token_ids(tok)
+            append(tok)
             if self._check_stop(request):
                 return new_token_ids[:k + 1], True
         return new_token_ids, False
@@ -359,21 +360,23 @@ class Scheduler:
     def _check_stop(self, request: Request) -> bool:
         """§2.2 order: min_tokens, EOS, stop_token_ids, then the length caps."""
         params = request.sampling_params
-        if request.num_output_tokens < params.min_tokens:
+        output = request.output_token_ids
+        nout = len(output)
+        if nout < params.min_tokens:
             # min_tokens cannot extend a request past the context window (that would wedge it).
             if request.num_tokens >= self.max_model_len:
                 request.status = RequestStatus.FINISHED_LENGTH_CAPPED
                 return True
             return False
-        last = request.output_token_ids[-1]
-        if not params.ignore_eos and request.eos_token_id is not None and last == request.eos_token_id:
+        last = output[-1]
+        if last == request.eos_token_id and not params.ignore_eos:
             request.status = RequestStatus.FINISHED_STOPPED
             return True
         if params.stop_token_ids and last in params.stop_token_ids:
             request.status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = last
             return True
-        if request.num_tokens >= self.max_model_len or request.num_output_tokens >= request.max_tokens:
+        if nout >= request.max_tokens or request.num_tokens >= self.max_model_len:
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
         return False
