@@ -90,6 +90,12 @@ class EngineCore:
         if live:
             self._finished_by_reason["abort"] = self._finished_by_reason.get("abort", 0) + len(live)
 
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget the prefix cache; with reset_running_requests, preempt running requests (drop mode)."""
+        self._check_alive()
+        with self._step_lock:
+            return self.scheduler.reset_prefix_cache(reset_running_requests)
+
     # -- stepping ----------------------------------------------------------------------------------
 
     def has_work(self) -> bool:

@@ -194,3 +194,13 @@ def test_max_num_seqs_and_budget_respected():
     assert len(h.sched.running) <= 2 and so.total_num_scheduled_tokens <= 5
     h.run()
     assert all(len(h.delivered[f"r{i}"]) == 3 for i in range(4))
+
+
+def test_debug_invariants_catch_out_of_order_updates():
+    s = AsyncScheduler(SchedulerConfig(debug_invariants=True), CacheConfig(block_size=4, num_blocks=16))
+    s.add_request(_req("r", [1, 2, 3], max_tokens=4))
+    so1 = s.schedule()
+    so2 = s.schedule()
+    with pytest.raises(AssertionError, match="FIFO"):
+        s.update_from_output(so2, ModelRunnerOutput(["r"], [[5]]))
+    s.update_from_output(so1, ModelRunnerOutput(["r"], [[5]]))

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import random
 import threading
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from stepahead.engine.core import EngineDeadError
 from stepahead.sampling_params import StructuredOutputsParams
@@ -194,3 +197,46 @@ def test_empty_step_carries_finished_ids():
     assert core.step() == []
     assert not core.has_work() and "a" not in ex.worker.states
     core.shutdown()
+
+
+def test_reset_prefix_cache_mid_run_keeps_token_streams():
+    core, ex = make_engine(depth=2)
+    for i in range(3):
+        core.add_request(request(f"r{i}", [i + 1] * 9, max_tokens=10))
+    tokens: dict[str, list[int]] = {}
+    for _ in range(6):
+        for o in core.step():
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert core.reset_prefix_cache(reset_running_requests=True)
+    rest, reasons = run_to_completion(core)
+    core.shutdown()
+    for rid, toks in rest.items():
+        tokens.setdefault(rid, []).extend(toks)
+    for i in range(3):
+        assert tokens[f"r{i}"] == [ex.worker.model.token(f"r{i}", j) for j in range(10)]
+    assert core.get_stats().preemptions == 3
+
+
+@settings(max_examples=25, deadline=None)
+@given(mode=st.sampled_from(MODES), seed=st.integers(0, 10_000),
+       n=st.integers(1, 6), num_blocks=st.integers(12, 40), budget=st.integers(4, 32))
+def test_engine_token_streams_property(mode, seed, n, num_blocks, budget):
+    """Random workloads under tight pools: every request gets exactly its scripted tokens."""
+    is_async, depth = mode
+    rng = random.Random(seed)
+    core, ex = make_engine(async_scheduling=is_async, depth=depth, num_blocks=num_blocks, budget=budget,
+                           max_model_len=40)
+    plan = {}
+    for i in range(n):
+        rid = f"q{i}"
+        plen, max_tokens, eos_at = rng.randint(1, 20), rng.randint(1, 15), rng.choice([0, 0, 1, 3, 7])
+        ex.worker.model.eos_at[rid] = eos_at
+        core.add_request(request(rid, [rng.randint(3, 6) for _ in range(plen)], max_tokens=max_tokens))
+        plan[rid] = (eos_at, max_tokens)
+    tokens, reasons = run_to_completion(core)
+    core.shutdown()
+    for rid, (eos_at, max_tokens) in plan.items():
+        n_tok = eos_at if eos_at and eos_at <= max_tokens else max_tokens
+        assert tokens[rid] == [ex.worker.model.token(rid, j) for j in range(n_tok)]
+        assert reasons[rid] == ("stop" if eos_at and eos_at <= max_tokens else "length")
+    assert core.get_stats().num_free_blocks == num_blocks - 1
