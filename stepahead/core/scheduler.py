@@ -19,6 +19,7 @@ from stepahead.core.sched_output import (
     NewRequestData,
     SchedulerOutput,
 )
+from stepahead.core.stop import check_stop
 from stepahead.request import Request, RequestStatus
 
 
@@ -358,28 +359,7 @@ class Scheduler:
         return new_token_ids, False
 
     def _check_stop(self, request: Request) -> bool:
-        """§2.2 order: min_tokens, EOS, stop_token_ids, then the length caps."""
-        params = request.sampling_params
-        output = request.output_token_ids
-        nout = len(output)
-        if nout < params.min_tokens:
-            # min_tokens cannot extend a request past the context window (that would wedge it).
-            if request.num_tokens >= self.max_model_len:
-                request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-                return True
-            return False
-        last = output[-1]
-        if last == request.eos_token_id and not params.ignore_eos:
-            request.status = RequestStatus.FINISHED_STOPPED
-            return True
-        if params.stop_token_ids and last in params.stop_token_ids:
-            request.status = RequestStatus.FINISHED_STOPPED
-            request.stop_reason = last
-            return True
-        if nout >= request.max_tokens or request.num_tokens >= self.max_model_len:
-            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-            return True
-        return False
+        return check_stop(request, self.max_model_len)
 
     # -- preemption, finishing, freeing -----------------------------------------------------------------
 
