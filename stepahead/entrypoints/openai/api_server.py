@@ -172,6 +172,11 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def resolve_api_key(ns: argparse.Namespace, env) -> str | None:
+    """--api-key wins over $STEPAHEAD_API_KEY; an empty value means no key."""
+    return ns.api_key or env.get(API_KEY_ENV) or None
+
+
 def non_default_args(ns: argparse.Namespace, defaults: argparse.Namespace) -> dict:
     out = {}
     for k, v in sorted(vars(ns).items()):
@@ -184,7 +189,7 @@ def non_default_args(ns: argparse.Namespace, defaults: argparse.Namespace) -> di
 async def run_server(ns: argparse.Namespace, defaults: argparse.Namespace) -> int:
     from stepahead.entrypoints.engine_flags import engine_args_from_namespace
 
-    api_key = ns.api_key or os.environ.get(API_KEY_ENV) or None
+    api_key = resolve_api_key(ns, os.environ)
     sock = bind_socket(ns.host, ns.port)
     host, port = sock.getsockname()[:2]
     logger.info("stepahead %s: serving on http://%s:%d (the model loads next)", stepahead_version(), host, port)

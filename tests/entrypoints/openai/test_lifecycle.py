@@ -1,0 +1,136 @@
+"""Servers of their own: API key, worker death mid-stream, graceful shutdown with no orphan processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+
+import httpx
+import openai
+import pytest
+
+from stepahead.entrypoints.openai.api_server import resolve_api_key
+from stepahead.entrypoints.openai.serve_cli import make_parser
+from tests.entrypoints.openai.conftest import MODEL_NAME, SERVER_ARGS
+from tests.entrypoints.openai.server_utils import RemoteServer, alive, wait_until, worker_pid
+
+LONG = {"model": MODEL_NAME, "prompt": "def main():", "max_tokens": 480, "ignore_eos": True, "stream": True}
+
+
+def _stream_events(url: str, body: dict, on_event=None, headers=None) -> list[str]:
+    """All SSE data payloads of one streaming request; on_event(i) is called after the i-th event."""
+    events = []
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120, headers=headers) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if on_event is not None:
+                    on_event(len(events))
+    return events
+
+
+def _no_orphans(pids: list[int]) -> bool:
+    return not any(alive(p) for p in pids)
+
+
+def test_api_key_env_var():
+    ns = make_parser().parse_args([])
+    assert resolve_api_key(ns, {"STEPAHEAD_API_KEY": "from-env"}) == "from-env"
+    ns = make_parser().parse_args(["--api-key", "from-flag"])
+    assert resolve_api_key(ns, {"STEPAHEAD_API_KEY": "from-env"}) == "from-flag"
+    assert resolve_api_key(make_parser().parse_args([]), {}) is None
+
+
+def test_api_key_then_sigint_shutdown(tiny_llama):
+    srv = RemoteServer(tiny_llama, *SERVER_ARGS, "--api-key", "flag-key-123")
+    try:
+        assert "flag-key-123" not in srv.log and "**REDACTED**" in srv.log
+        headers = {"Authorization": "Bearer flag-key-123"}
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        assert r.status_code == 401 and r.json() == {"error": "Unauthorized"}
+        r = httpx.get(srv.url + "/v1/models", headers={"Authorization": "Bearer flag-key-12"})
+        assert r.status_code == 401 and r.json() == {"error": "Unauthorized"}
+        for path in ("/health", "/metrics", "/version"):
+            assert httpx.get(srv.url + path).status_code == 200, path
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=srv.base_url, api_key="wrong", max_retries=0).models.list()
+        ok = openai.OpenAI(base_url=srv.base_url, api_key="flag-key-123", max_retries=0)
+        assert ok.completions.create(model=MODEL_NAME, prompt="x", max_tokens=2).usage.completion_tokens == 2
+        pids = srv.process_tree()
+        # SIGINT (Ctrl-C) with a stream in flight and --shutdown-timeout 0: the stream is aborted with
+        # an error event, the server exits 0, no process is left.
+        started = threading.Event()
+        result: dict = {}
+
+        def client():
+            result["events"] = _stream_events(srv.url, LONG, lambda i: i == 2 and started.set(), headers)
+
+        t = threading.Thread(target=client)
+        t.start()
+        assert started.wait(120)
+        assert srv.stop(signal.SIGINT) == 0
+        t.join(60)
+        events = result["events"]
+        assert events[-1] == "[DONE]"
+        assert "shutting down" in json.loads(events[-2])["error"]["message"]
+        assert wait_until(lambda: _no_orphans(pids), timeout=30), [p for p in pids if alive(p)]
+    finally:
+        srv.stop()
+
+
+def test_worker_death_mid_stream(tiny_llama):
+    srv = RemoteServer(tiny_llama, *SERVER_ARGS)
+    try:
+        pids = srv.process_tree()
+        worker = worker_pid(srv)
+        killed = threading.Event()
+
+        def kill_worker(i: int) -> None:
+            if i == 3 and not killed.is_set():
+                os.kill(worker, signal.SIGKILL)
+                killed.set()
+
+        events = _stream_events(srv.url, LONG, kill_worker)
+        assert killed.is_set()
+        assert events[-1] == "[DONE]"
+        err = json.loads(events[-2])["error"]
+        assert err["code"] == 500 and err["message"]
+        assert httpx.get(srv.url + "/health").status_code == 503
+        # New work is refused with a 500, not a hang.
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 500 and "dead" in r.json()["error"]["message"]
+        assert srv.proc.wait(timeout=60) == 1
+        assert "The engine is dead" in srv.log
+        assert wait_until(lambda: _no_orphans(pids), timeout=30), [p for p in pids if alive(p)]
+    finally:
+        srv.stop()
+
+
+def test_sigterm_drains_in_flight_requests(tiny_llama):
+    srv = RemoteServer(tiny_llama, *SERVER_ARGS, "--shutdown-timeout", "120")
+    try:
+        pids = srv.process_tree()
+        started = threading.Event()
+        result: dict = {}
+        body = {**LONG, "max_tokens": 60}
+
+        def client():
+            result["events"] = _stream_events(srv.url, body, lambda i: i == 2 and started.set())
+
+        t = threading.Thread(target=client)
+        t.start()
+        assert started.wait(120)
+        srv.proc.send_signal(signal.SIGTERM)
+        t.join(120)
+        events = result["events"]
+        # Drained: the request ran to its end despite the SIGTERM.
+        assert events[-1] == "[DONE]"
+        finish = [json.loads(e)["choices"][0]["finish_reason"] for e in events[:-1]]
+        assert finish[-1] == "length" and "error" not in events[-2]
+        assert srv.proc.wait(timeout=60) == 0
+        assert wait_until(lambda: _no_orphans(pids), timeout=30), [p for p in pids if alive(p)]
+    finally:
+        srv.stop()
