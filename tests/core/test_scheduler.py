@@ -204,3 +204,63 @@ def test_debug_invariants_catch_out_of_order_updates():
     with pytest.raises(AssertionError, match="FIFO"):
         s.update_from_output(so2, ModelRunnerOutput(["r"], [[5]]))
     s.update_from_output(so1, ModelRunnerOutput(["r"], [[5]]))
+
+
+def test_head_of_line_blocking_in_waiting_queue():
+    h = Harness(block_size=4, num_blocks=6)  # 5 usable blocks
+    h.add("a", [1] * 8, max_tokens=8)  # 2 blocks now, up to 4
+    h.add("big", [2] * 16, max_tokens=2)  # 4 blocks: does not fit next to a
+    h.add("small", [3] * 3, max_tokens=2)  # would fit, but waits behind big
+    so = h.schedule()
+    assert set(so.num_scheduled_tokens) == {"a"}
+    h.run()
+    assert [o.request_id for o in h.outputs if o.finish_reason][:1] == ["a"]
+    assert set(h.finished) == {"a", "big", "small"}
+
+
+def test_no_admission_in_a_step_that_preempted():
+    h = Harness(block_size=4, num_blocks=5, budget=64, is_async=True)
+    h.add("a", [1] * 4, max_tokens=10)
+    h.add("b", [2] * 4, max_tokens=10)
+    for _ in range(200):
+        before = h.sched.num_preemptions
+        if h.sched.has_requests():
+            if h.sched.num_preemptions == 0 and "c" not in h.sched.requests and h.sched.current_step == 3:
+                h.add("c", [3], max_tokens=2)  # fits in the block the preemption frees
+            so = h.schedule()
+            if h.sched.num_preemptions > before:
+                assert h.sched.requests["c"].status == RequestStatus.WAITING
+                assert h.sched.kv_cache_manager.num_free_blocks >= 1  # c would have fitted
+                assert not so.scheduled_new_reqs and "c" not in so.num_scheduled_tokens
+                break
+            if len(h.in_flight) < h.depth:
+                continue
+        h.process()
+    else:
+        raise AssertionError("no preemption")
+    h.run()
+    assert set(h.finished) == {"a", "b", "c"}
+
+
+def test_long_prefill_threshold_caps_chunks():
+    h = Harness(budget=64)
+    h.sched.scheduler_config.long_prefill_token_threshold = 5
+    h.add("r", list(range(10, 22)), max_tokens=2)
+    assert h.schedule().num_scheduled_tokens == {"r": 5}
+    assert h.schedule().num_scheduled_tokens == {"r": 5}
+    assert h.schedule().num_scheduled_tokens == {"r": 2}
+    h.run()
+    assert h.delivered["r"] == h.expected_tokens("r", 2)
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_a_whole_budget():
+    h = Harness(budget=8, max_model_len=8, chunked=False, is_async=False)
+    h.add("a", [1] * 5, max_tokens=2)
+    h.add("b", [2] * 5, max_tokens=2)
+    so = h.schedule()
+    assert so.num_scheduled_tokens == {"a": 5}  # b (5) does not fit the remaining 3: not chunked
+    h.process()
+    so = h.schedule()
+    assert so.num_scheduled_tokens == {"a": 1, "b": 5}
+    h.run()
+    assert set(h.finished) == {"a", "b"}
