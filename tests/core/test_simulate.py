@@ -52,3 +52,12 @@ def test_try_it(capsys, argv, wasted):
 def test_bad_arguments(capsys):
     with pytest.raises(SystemExit, match="--max-tokens must be >= 1"):
         _run(capsys, "--max-tokens", "0")
+
+
+def test_core_is_torch_free():
+    import subprocess
+    import sys
+
+    code = ("import sys, stepahead.core.scheduler, stepahead.core.async_scheduler, stepahead.engine.core, "
+            "stepahead.core.simulate, stepahead.executor.scripted; assert 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
