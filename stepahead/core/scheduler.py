@@ -73,9 +73,9 @@ class Scheduler:
             raise ValueError("prompt_token_ids must not be empty")
         if n >= self.max_model_len:
             raise ValueError(
-                f"prompt_token_ids has {n} tokens, but the model's maximum context length is "
-                f"{self.max_model_len} tokens; the prompt must be shorter (at most "
-                f"{self.max_model_len - 1} tokens) to leave room for one output token"
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your request "
+                f"has {n} input tokens (prompt_token_ids must hold at most {self.max_model_len - 1}). "
+                f"Please reduce the length of the input messages."
             )
         usable = self.kv_cache_manager.num_usable_blocks * self.cache_config.block_size
         if n + 1 > usable:
