@@ -109,8 +109,9 @@ def test_worker_death_mid_stream(tiny_llama):
         srv.stop()
 
 
-def test_sigterm_drains_in_flight_requests(tiny_llama):
-    srv = RemoteServer(tiny_llama, *SERVER_ARGS, "--shutdown-timeout", "120")
+def test_sigterm_drains_in_flight_requests(tiny_llama, tmp_path):
+    trace = tmp_path / "trace.json"
+    srv = RemoteServer(tiny_llama, *SERVER_ARGS, "--shutdown-timeout", "120", "--trace", str(trace))
     try:
         pids = srv.process_tree()
         started = threading.Event()
@@ -132,5 +133,8 @@ def test_sigterm_drains_in_flight_requests(tiny_llama):
         assert finish[-1] == "length" and "error" not in events[-2]
         assert srv.proc.wait(timeout=60) == 0
         assert wait_until(lambda: _no_orphans(pids), timeout=30), [p for p in pids if alive(p)]
+        # --trace FILE: the engine and worker timelines of the whole run, as a Chrome trace.
+        names = {e.get("name") for e in json.loads(trace.read_text())["traceEvents"]}
+        assert {"schedule", "update_from_output"} <= names
     finally:
         srv.stop()
