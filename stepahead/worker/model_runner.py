@@ -95,6 +95,7 @@ class ModelRunner:
                 st.block_ids.extend(new_blocks)
             if history is not None and len(history) > len(st.token_ids):
                 st.set_history(history)
+                self.prev_req_id_to_row.pop(rid, None)  # our last sample is no longer the newest token
             if i < len(cd.new_token_ids) and cd.new_token_ids[i]:
                 known = len(st.token_ids)
                 st.token_ids.extend(cd.new_token_ids[i][max(0, known - cd.num_computed_tokens[i]):])
@@ -122,24 +123,30 @@ class ModelRunner:
             n = so.num_scheduled_tokens[rid]
             c = st.num_computed_tokens
             end = c + n
-            known = st.token_ids[c:end]
-            ids[offset:offset + len(known)] = known
-            last = len(st.token_ids) - 1
-            prev_row = self.prev_req_id_to_row.get(rid)
-            if prev_row is not None and c <= last < end:
-                # The newest token came from our own last sample: take it from the device.
-                ids[offset + last - c] = -1
-                scatter_dst.append(offset + last - c)
-                scatter_src.append(prev_row)
-            elif len(known) < n:
-                raise RuntimeError(f"request {rid}: positions {c}..{end} not known to the worker (has {last + 1})")
-            p = np.arange(c, end)
-            pos[offset:offset + n] = p
+            if len(st.token_ids) < end:
+                raise RuntimeError(f"request {rid}: positions {c}..{end} not known to the worker "
+                                   f"(has {len(st.token_ids)})")
+            # When this row ends at the token our own last sample produced, that token comes from the
+            # device copy (on CUDA the host may not have it yet); the host slot gets -1.
+            from_device = end == len(st.token_ids) and rid in self.prev_req_id_to_row
+            if from_device:
+                scatter_dst.append(offset + n - 1)
+                scatter_src.append(self.prev_req_id_to_row[rid])
             table = st.block_ids
             need = -(-end // bs)
             if need > len(table):
                 raise RuntimeError(f"request {rid}: {end} tokens need {need} blocks, worker holds {len(table)}")
-            slots[offset:offset + n] = np.asarray(table[c // bs: need])[p // bs - c // bs] * bs + p % bs
+            if n == 1:  # the common decode row: plain ints, no temporary arrays
+                ids[offset] = -1 if from_device else st.token_ids[c]
+                pos[offset] = c
+                slots[offset] = table[c // bs] * bs + c % bs
+            else:
+                ids[offset:offset + n] = st.token_ids[c:end]
+                if from_device:
+                    ids[offset + n - 1] = -1
+                p = np.arange(c, end)
+                pos[offset:offset + n] = p
+                slots[offset:offset + n] = np.asarray(table[c // bs: need])[p // bs - c // bs] * bs + p % bs
             if end >= len(st.token_ids):
                 sample_rows.append(b)
                 logits_idx.append(offset + n - 1)
