@@ -122,6 +122,10 @@ class LLM:
     def stats(self) -> EngineStats:
         return self.engine_core.get_stats()
 
+    def drain_trace_events(self) -> list[dict]:
+        """Timeline events (engine and worker lanes) recorded since the last call; needs trace=True."""
+        return self.engine_core.drain_trace_events()
+
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 

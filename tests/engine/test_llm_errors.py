@@ -78,3 +78,14 @@ def test_killed_worker_raises_clear_error(tiny_llama):
         llm.shutdown()
     with pytest.raises(RuntimeError):
         llm.generate(GOOD, PARAMS, use_tqdm=False)
+
+
+def test_garbage_collection_stops_the_worker(tiny_llama):
+    import gc
+
+    llm = LLM(str(tiny_llama), executor="mp", max_model_len=64)
+    llm.generate(GOOD, PARAMS, use_tqdm=False)
+    proc = llm._executor._proc
+    del llm
+    gc.collect()
+    assert not proc.is_alive() and proc.exitcode == 0

@@ -170,3 +170,22 @@ def test_startup_failure_is_reported(tiny_model_factory, tmp_path):
         MultiprocExecutor(config)
     with pytest.raises(Exception):  # noqa: B017 - uni raises the loader's own error, whatever its type
         UniProcExecutor(config)
+
+
+def test_script_without_main_guard_starts_one_worker(tiny_llama, tmp_path):
+    """spawn would re-run an unguarded script in the worker; the executor keeps it from doing so."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(textwrap.dedent(f"""
+        from stepahead.config import EngineArgs
+        from stepahead.executor.mp import MultiprocExecutor
+        print("script body ran", flush=True)
+        cfg = EngineArgs(model={str(tiny_llama)!r}, executor="mp", device="cpu", max_model_len=128,
+                         num_kv_blocks=64).create_engine_config()
+        ex = MultiprocExecutor(cfg)
+        ex.shutdown()
+        print("done", flush=True)
+    """))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                          env=os.environ | {"PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "script body ran\ndone\n"
