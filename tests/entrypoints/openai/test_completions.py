@@ -173,3 +173,19 @@ def test_seeded_sampling_is_reproducible(client):
     a = client.completions.create(**kw).choices[0].text
     b = client.completions.create(**kw).choices[0].text
     assert a == b
+
+
+def test_server_matches_offline_llm(client, tiny_llama):
+    """The server path (engine process, ZMQ, HTTP) produces exactly what the offline LLM produces."""
+    from stepahead import LLM, SamplingParams
+
+    prompts = ["def add(a, b):", "import sys\n", "class Node:\n    def __init__(self):"]
+    llm = LLM(str(tiny_llama), dtype="float32", executor="uni", num_kv_blocks=128, num_threads=1)
+    try:
+        offline = llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+                               use_tqdm=False)
+    finally:
+        llm.shutdown()
+    served = client.completions.create(model=MODEL_NAME, prompt=prompts, max_tokens=20, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert [c.text for c in served.choices] == [o.outputs[0].text for o in offline]
