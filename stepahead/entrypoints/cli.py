@@ -42,8 +42,8 @@ def _make_llm(ns: argparse.Namespace):
 
 
 def run_generate(ns: argparse.Namespace) -> int:
+    params = sampling_params_from_namespace(ns, n=ns.n)  # bad flags fail before the model loads
     with _make_llm(ns) as llm:
-        params = sampling_params_from_namespace(ns, n=ns.n)
         prompt = llm.apply_chat_template([{"role": "user", "content": ns.prompt}]) if ns.chat else ns.prompt
         (out,) = llm.generate(prompt, params, use_tqdm=False)
         for c in out.outputs:
@@ -55,10 +55,10 @@ def run_generate(ns: argparse.Namespace) -> int:
 
 def run_chat(ns: argparse.Namespace) -> int:
     """Interactive chat: stream each reply as it is generated; the conversation is kept as history."""
+    # Not seeded per request: each turn would draw the same noise. The engine seed keeps a
+    # whole session reproducible.
+    params = sampling_params_from_namespace(ns, seeded=False)
     with _make_llm(ns) as llm:
-        # Not seeded per request: each turn would draw the same noise. The engine seed keeps a
-        # whole session reproducible.
-        params = sampling_params_from_namespace(ns, seeded=False)
         history: list[dict[str, str]] = []
         if ns.system:
             history.append({"role": "system", "content": ns.system})
