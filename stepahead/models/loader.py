@@ -150,12 +150,14 @@ def load_model(model_config: ModelConfig, device: str) -> LlamaForCausalLM:
 
 @torch.no_grad()
 def _init_dummy(model: LlamaForCausalLM, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
+    g = None
     for name, p in model.named_parameters():
+        if g is None:
+            g = torch.Generator(device=p.device).manual_seed(seed)
         if name.endswith("norm.weight"):
             p.fill_(1.0)
         else:
-            p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+            p.normal_(0.0, 0.02, generator=g)
 
 
 def load_tokenizer(model_config: ModelConfig):

@@ -13,9 +13,10 @@ from stepahead.core.sched_output import CachedRequestData, NewRequestData, Sched
 from stepahead.sampling_params import SamplingParams
 
 
-def make_config(model, block_size=16, num_blocks=256, max_num_batched_tokens=512, **kw) -> EngineConfig:
+def make_config(model, block_size=16, num_blocks=256, max_num_batched_tokens=512, device="cpu",
+                **kw) -> EngineConfig:
     args = EngineArgs(model=str(model), block_size=block_size, num_kv_blocks=num_blocks, executor="uni",
-                      device="cpu", max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=64, **kw)
+                      device=device, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=64, **kw)
     return args.create_engine_config()
 
 

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import shutil
 
+import pytest
 import torch
 
 from stepahead.config import EngineArgs
@@ -60,3 +61,16 @@ def test_mistral_sliding_window_caps_context(tiny_model_factory, tmp_path):
     cfg["sliding_window"] = 64
     (folder / "config.json").write_text(json.dumps(cfg))
     assert load_model_config(EngineArgs(model=str(folder)), "cpu").max_model_len == 64
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_float32_greedy_matches_transformers(tiny_llama):
+    from tests.tiny_models import hf_greedy
+
+    prompts = [list(range(100, 140)), list(range(7, 12)), list(range(300, 333))]
+    runner = ModelRunner(make_config(tiny_llama, device="cuda", dtype="float32"))
+    sched = MiniSched(runner, 16, chunk=16)
+    for i, p in enumerate(prompts):
+        sched.add(f"r{i}", p, 6, SamplingParams(temperature=0.0))
+    out = sched.run()
+    assert [out[f"r{i}"] for i in range(3)] == hf_greedy(tiny_llama, prompts, 6)
