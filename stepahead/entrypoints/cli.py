@@ -44,7 +44,8 @@ def _make_llm(ns: argparse.Namespace):
 def run_generate(ns: argparse.Namespace) -> int:
     params = sampling_params_from_namespace(ns, n=ns.n)  # bad flags fail before the model loads
     with _make_llm(ns) as llm:
-        prompt = llm.apply_chat_template([{"role": "user", "content": ns.prompt}]) if ns.chat else ns.prompt
+        use_chat = ns.chat if ns.chat is not None else getattr(llm.get_tokenizer(), "chat_template", None) is not None
+        prompt = llm.apply_chat_template([{"role": "user", "content": ns.prompt}]) if use_chat else ns.prompt
         (out,) = llm.generate(prompt, params, use_tqdm=False)
         for c in out.outputs:
             if len(out.outputs) > 1:
@@ -93,7 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen = subparsers.add_parser("generate", help="generate a completion for one prompt and print it")
     gen.add_argument("prompt", help="the prompt text")
     gen.add_argument("-n", type=int, default=1, help="completions to generate (default: %(default)s)")
-    gen.add_argument("--chat", action="store_true", help="send the prompt as a user message via the chat template")
+    # An instruct model given a bare question often ends its turn at once: chat is the useful default.
+    gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                     help="send the prompt as a user message through the model's chat template "
+                          "(default: when the tokenizer has one; --no-chat: a raw completion)")
     add_sampling_args(gen, max_tokens=128)
     add_engine_args(gen, positional_model=False)
     gen.set_defaults(func=run_generate)

@@ -34,13 +34,15 @@ def reference(tiny_llama):
 
 
 def test_generate_prints_the_text(tiny_llama, reference):
-    proc = _stepahead("generate", PROMPT, "--model", str(tiny_llama), "--max-tokens", "8", "--temperature", "0")
+    proc = _stepahead("generate", PROMPT, "--model", str(tiny_llama), "--max-tokens", "8", "--temperature", "0",
+                      "--no-chat")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == reference[0] + "\n"
 
 
-def test_generate_chat_n2_uni(tiny_llama, reference):
-    proc = _stepahead("generate", "hello", "--model", str(tiny_llama), "--chat", "-n", "2", "--max-tokens", "8",
+def test_generate_chat_by_default_n2_uni(tiny_llama, reference):
+    # The tiny tokenizer has a chat template, so the prompt goes through it without --chat.
+    proc = _stepahead("generate", "hello", "--model", str(tiny_llama), "-n", "2", "--max-tokens", "8",
                       "--temperature", "0", "--executor", "uni", "--no-async-scheduling")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count(reference[1] + "\n") == 2 and "--- completion 1" in proc.stdout
