@@ -153,3 +153,28 @@ def test_runner_bitmask_and_logprobs(runner_factory):
     lp = out.logprobs["a"][0]
     assert lp.token_ids[0] == by_id["a"][0] and lp.sampled_rank == 1 and len(lp.token_ids) == 4
     assert "b" not in out.logprobs
+
+
+def test_sampling_frequencies_follow_probabilities():
+    probs = torch.tensor([0.5, 0.3, 0.2])
+    x = torch.full((6000, V), float("-inf"))
+    x[:, :3] = probs.log()
+    torch.manual_seed(0)
+    rows = [_row(temperature=1.0) for _ in range(6000)]
+    freq = torch.bincount(sample(x, rows)[0], minlength=V).float() / 6000
+    assert torch.allclose(freq[:3], probs, atol=0.03) and freq[3:].sum() == 0
+
+
+def test_top_p_wider_than_candidates_falls_back_exactly(monkeypatch):
+    import stepahead.worker.sampler as sampler_mod
+
+    monkeypatch.setattr(sampler_mod, "TOP_CANDIDATES", 2)
+    x = torch.zeros(1, V)
+    x[0, :12] = 1.0  # 12 equally likely tokens hold ~88% of the mass; top_p=0.5 keeps 6 of them
+    torch.manual_seed(0)
+    drawn = {sample(x.clone(), [_row(temperature=1.0, top_p=0.5)])[0].item() for _ in range(300)}
+    assert drawn <= set(range(12)) and len(drawn) > 2  # more than the 2 candidates: the retry ran
+    mixed = [_row(temperature=1.0, top_p=0.5), _row(temperature=1.0), _row(temperature=1.0, top_k=3)]
+    for _ in range(50):
+        toks = sample(x.repeat(3, 1), mixed)[0].tolist()
+        assert toks[0] < 12 and toks[2] < 12
