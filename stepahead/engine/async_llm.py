@@ -127,7 +127,9 @@ class AsyncLLM:
         self._input = self._sync_ctx.socket(zmq.PUSH)
         self._input.setsockopt(zmq.SNDHWM, 0)
         self._input.setsockopt(zmq.LINGER, 0)
-        self._input.bind(input_addr)
+        # Connecting (not binding) makes the pipe exist at once: sends queue until the engine binds,
+        # instead of failing with EAGAIN while no peer is attached.
+        self._input.connect(input_addr)
         self._async_ctx = zmq.asyncio.Context()
         self._output = self._async_ctx.socket(zmq.PULL)
         self._output.setsockopt(zmq.RCVHWM, 0)
@@ -140,7 +142,7 @@ class AsyncLLM:
         with _main_module_hidden():
             self._proc.start()
         # A library user who forgets shutdown() still leaves no engine process behind.
-        self._finalizer = weakref.finalize(self, _stop_process, self._proc, 0.0)
+        self._finalizer = weakref.finalize(self, _cleanup, self._proc, self._tmpdir)
 
     @classmethod
     async def from_engine_args(cls, engine_args: EngineArgs, **kwargs) -> AsyncLLM:
@@ -371,6 +373,11 @@ class AsyncLLM:
         self._sync_ctx.term()
         self._async_ctx.term()
         shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+
+def _cleanup(proc: multiprocessing.process.BaseProcess, tmpdir: str) -> None:
+    _stop_process(proc, 0.0)
+    shutil.rmtree(tmpdir, ignore_errors=True)
 
 
 def _stop_process(proc: multiprocessing.process.BaseProcess, timeout_s: float) -> None:

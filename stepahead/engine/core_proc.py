@@ -73,8 +73,11 @@ def _serve(config: EngineConfig, ctx: zmq.Context, input_addr: str, out_sock: zm
     except BaseException as e:  # noqa: BLE001 - reported to the API process, which exits with it
         out_sock.send(codec.encode(EngineFailed(_describe(e), during_startup=True)))
         return EXIT_ENGINE_FAILED
+    in_sock = ctx.socket(zmq.PULL)
+    in_sock.setsockopt(zmq.LINGER, 0)
+    in_sock.bind(input_addr)  # before "ready"; the reader thread owns the socket from here on
     inbox: queue.Queue = queue.Queue()
-    reader = threading.Thread(target=_read_inputs, args=(ctx, input_addr, codec, inbox),
+    reader = threading.Thread(target=_read_inputs, args=(in_sock, codec, inbox),
                               name="stepahead-engine-input", daemon=True)
     reader.start()
     out_sock.send(codec.encode(EngineReady(os.getpid(), getattr(executor, "worker_pid", None), core.get_stats())))
@@ -149,10 +152,7 @@ def _error_output(request_id: str, message: str):
     return EngineCoreOutput(request_id, [], finish_reason="error", stop_reason=message)
 
 
-def _read_inputs(ctx: zmq.Context, input_addr: str, codec: Codec, inbox: queue.Queue) -> None:
-    sock = ctx.socket(zmq.PULL)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(input_addr)
+def _read_inputs(sock: zmq.Socket, codec: Codec, inbox: queue.Queue) -> None:
     try:
         while True:
             try:
