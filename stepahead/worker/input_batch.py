@@ -54,19 +54,13 @@ class StagingBuffer:
         self.used = 0
 
     def alloc(self, n: int) -> tuple[np.ndarray, int]:
-        """Reserve n slots; returns the host numpy view and its offset."""
+        """Reserve n slots; returns the host numpy view and its offset. The capacity is sized for the
+        worst step the scheduler limits allow, so views handed out earlier in a step stay valid."""
         off = self.used
         if off + n > self.np.shape[0]:
-            self._grow(off + n)
+            raise RuntimeError(f"step inputs need {off + n} staging slots, capacity {self.np.shape[0]}")
         self.used = off + n
         return self.np[off:off + n], off
-
-    def _grow(self, need: int) -> None:
-        cap = max(need, 2 * self.np.shape[0])
-        host = torch.zeros(cap, dtype=torch.int64, pin_memory=not self.on_cpu and torch.cuda.is_available())
-        host[: self.used] = self.host[: self.used]
-        self.host, self.np = host, host.numpy()
-        self.dev = self.host if self.on_cpu else torch.zeros(cap, dtype=torch.int64, device=self.device)
 
     def upload(self) -> None:
         if not self.on_cpu:

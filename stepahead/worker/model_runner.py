@@ -52,7 +52,8 @@ class ModelRunner:
         self.vocab_size = mc.vocab_size
         self.eos_token_id = mc.eos_token_id
         max_nb = -(-sc.max_model_len // cc.block_size)
-        cap = 4 * sc.max_num_batched_tokens + 4 * sc.max_num_seqs + 2 * sc.max_num_seqs * max_nb
+        # Worst step: 3 per token (ids, positions, slots), block tables of every row, 4 per row.
+        cap = 3 * sc.max_num_batched_tokens + 4 * sc.max_num_seqs + 2 * sc.max_num_seqs * max_nb
         self.staging = StagingBuffer(cap, self.device)
         self.arange = torch.arange(max_nb * cc.block_size + sc.max_num_batched_tokens, device=self.device)
         self.requests: dict[str, CachedRequestState] = {}
