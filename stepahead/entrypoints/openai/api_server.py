@@ -180,7 +180,7 @@ def resolve_api_key(ns: argparse.Namespace, env) -> str | None:
 def non_default_args(ns: argparse.Namespace, defaults: argparse.Namespace) -> dict:
     out = {}
     for k, v in sorted(vars(ns).items()):
-        if k == "func" or getattr(defaults, k, None) == v:
+        if k in ("func", "command") or getattr(defaults, k, None) == v:
             continue
         out[k] = "**REDACTED**" if k == "api_key" else v
     return out

@@ -65,7 +65,21 @@ def reject_unsupported(req: SamplingFields) -> None:
         raise APIError("Stream options can only be defined when `stream=True`.", 400, "stream_options")
 
 
+# The engine has no grammar backend wired in yet (Scheduler.structured_output_manager is None), so a
+# constraint would be silently ignored: refuse it instead. Flip this when a backend lands.
+STRUCTURED_OUTPUTS_SUPPORTED = False
+
+
 def structured_outputs_of(req: SamplingFields) -> StructuredOutputsParams | None:
+    params = _structured_outputs_of(req)
+    if params is not None and not STRUCTURED_OUTPUTS_SUPPORTED:
+        param = "structured_outputs" if req.structured_outputs is not None else "response_format"
+        raise APIError("structured outputs (response_format json_object/json_schema, structured_outputs) are not "
+                       "supported by this server yet", 400, param)
+    return params
+
+
+def _structured_outputs_of(req: SamplingFields) -> StructuredOutputsParams | None:
     so = req.structured_outputs
     rf = req.response_format
     if rf is not None and rf.type != "text":

@@ -47,6 +47,8 @@ BAD_COMPLETIONS = [
     ({"seed": 2**64}, "seed", ""),
     ({"echo": True, "logprobs": 1}, "echo", "echo"),
     ({"response_format": {"type": "bogus"}}, "response_format", ""),
+    ({"response_format": {"type": "json_object"}}, "response_format", "not supported"),
+    ({"structured_outputs": {"regex": "[a-z]+"}}, "structured_outputs", "not supported"),
     ({"stream": "maybe"}, "stream", ""),
 ]
 
@@ -142,3 +144,12 @@ def test_tokenize_and_detokenize_errors(http):
     _check_error(http.post("/detokenize", json={"tokens": [VOCAB_SIZE]}), 400, "tokens")
     _check_error(http.post("/detokenize", json={"tokens": "abc"}), 400, "tokens")
     _check_error(http.post("/tokenize", json={"prompt": "x", "model": "nope"}), 404, "model")
+
+
+def test_accepted_variants(http):
+    """Values at the edges of the allowed ranges, and no-op options, are accepted."""
+    for override in ({"response_format": {"type": "text"}}, {"top_k": -1}, {"temperature": 0}, {"top_p": 1.0},
+                     {"logprobs": 20}, {"stop": "x"}, {"seed": -1}, {"user": "u1"}, {"n": 2, "best_of": 2},
+                     {"min_tokens": 2}, {"max_tokens": None, "prompt": [5] * 505}):
+        r = http.post("/v1/completions", json={**P, **override})
+        assert r.status_code == 200, (override, r.text)
