@@ -6,9 +6,9 @@ reusable buffer, and the gathered [kv_heads, rows, tokens, head_dim] tensor feed
 (head, row) slab contiguous (measured faster than token-major for both the gather and SDPA on CPU).
 
 The flattened batch is ordered by the model runner as: single-token rows first (decodes, and one-token
-prefill chunks), then multi-token rows. Single-token rows are attended in one padded SDPA call; each
-multi-token row gets its own call (there are few per step), causal within its new tokens and full over
-its cached prefix.
+prefill chunks) sorted by context length, then multi-token rows. Single-token rows are attended in a few
+padded SDPA calls (groups of similar length); each multi-token row gets its own call (there are few per
+step), causal within its new tokens and full over its cached prefix.
 """
 
 from __future__ import annotations
@@ -31,13 +31,23 @@ class PrefillRow:
 
 
 @dataclass
+class DecodeGroup:
+    """Single-token rows [start, end) of the flattened batch, attended in one padded SDPA call.
+
+    The runner sorts these rows by context length and splits them so padding stays bounded."""
+
+    start: int
+    end: int
+    block_table: torch.Tensor  # [rows, max_blocks] long (padding points at null block 0)
+    mask: torch.Tensor  # [1, rows, 1, max_blocks * block_size] bool: key is valid
+
+
+@dataclass
 class AttentionMetadata:
     """Everything attention needs for one step; built by the model runner, passed down explicitly."""
 
     slot_mapping: torch.Tensor  # [num_tokens] long: flat slot (block * block_size + offset) of each new token
-    num_decode: int  # the first num_decode tokens are single-token rows
-    decode_block_table: torch.Tensor | None  # [num_decode, max_blocks] long (padding points at null block 0)
-    decode_mask: torch.Tensor | None  # [1, num_decode, 1, max_blocks * block_size] bool: key is valid
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillRow] = field(default_factory=list)
 
 
@@ -116,14 +126,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Layer
     nkv = k.shape[1]
     group = num_heads // nkv
     out = torch.empty_like(q)
-    nd = meta.num_decode
-    if nd:
+    for g in meta.decode_groups:
         # Grouped-query trick: the `group` query heads that share a KV head become `group` query rows,
         # so no K/V repeat is needed. SDPA sees kv heads as its batch and rows as its heads.
-        kd, vd = _gather(kv, meta.decode_block_table)
-        qd = q[:nd].view(nd, nkv, group, hd).transpose(0, 1)
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
-        out[:nd] = o.transpose(0, 1).reshape(nd, num_heads, hd)
+        nd = g.end - g.start
+        kd, vd = _gather(kv, g.block_table)
+        qd = q[g.start:g.end].view(nd, nkv, group, hd).transpose(0, 1)
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale)
+        out[g.start:g.end] = o.transpose(0, 1).reshape(nd, num_heads, hd)
     for row in meta.prefills:
         n = row.end - row.start
         qp = q[row.start:row.end].transpose(0, 1).unsqueeze(0)  # [1, heads, n, hd]

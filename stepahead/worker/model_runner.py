@@ -17,11 +17,22 @@ import torch
 from stepahead.config import EngineConfig
 from stepahead.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from stepahead.models.loader import load_model
-from stepahead.worker.attention import AttentionMetadata, PagedKVCache, PrefillRow
+from stepahead.worker.attention import AttentionMetadata, DecodeGroup, PagedKVCache, PrefillRow
 from stepahead.worker.input_batch import CachedRequestState, StagingBuffer
 from stepahead.worker.sampler import RowSampling, apply_bitmask, sample
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def decode_groups(needs: list[int], min_rows: int = 8) -> list[tuple[int, int]]:
+    """Split rows sorted by block count into [start, end) groups so that padding a group to its longest
+    row at most doubles a row's blocks (groups keep at least min_rows rows: fewer SDPA calls)."""
+    groups, start = [], 0
+    for i in range(1, len(needs) + 1):
+        if i == len(needs) or (needs[i] > 2 * needs[start] and i - start >= min_rows):
+            groups.append((start, i))
+            start = i
+    return groups
 
 
 @dataclass
@@ -106,8 +117,10 @@ class ModelRunner:
     def _prepare_inputs(self, so: SchedulerOutput):
         """Fill the staging buffer and build the step's attention metadata; returns what forward needs."""
         bs = self.block_size
-        order = sorted(so.num_scheduled_tokens, key=lambda r: so.num_scheduled_tokens[r] != 1)
-        num_decode = sum(1 for r in order if so.num_scheduled_tokens[r] == 1)
+        nst, reqs = so.num_scheduled_tokens, self.requests
+        # Single-token rows first, shortest context first (see decode_groups), then multi-token rows.
+        order = sorted(nst, key=lambda r: (nst[r] != 1, reqs[r].num_computed_tokens if nst[r] == 1 else 0))
+        num_decode = sum(1 for r in order if nst[r] == 1)
         t = so.total_num_scheduled_tokens
         stg = self.staging
         stg.reset()
@@ -117,7 +130,6 @@ class ModelRunner:
         sample_rows, logits_idx = [], []
         scatter_dst, scatter_src = [], []
         prefill_specs = []
-        max_nb = 0
         offset = 0
         for b, rid in enumerate(order):
             st = self.requests[rid]
@@ -151,20 +163,23 @@ class ModelRunner:
             if end >= len(st.token_ids):
                 sample_rows.append(b)
                 logits_idx.append(offset + n - 1)
-            if n == 1:
-                max_nb = max(max_nb, need)
-            else:
+            if n != 1:
                 prefill_specs.append((offset, offset + n, c, need))
             offset += n
-        # Decode block tables (padded with null block 0) and their lengths.
-        bt, bt_off = stg.alloc(num_decode * max_nb)
+        # Decode block tables (padded with null block 0, per group) and context lengths.
         lens, lens_off = stg.alloc(num_decode)
-        bt[:] = 0
+        needs = []
         for b in range(num_decode):
-            st = self.requests[order[b]]
-            need = -(-(st.num_computed_tokens + 1) // bs)
-            bt[b * max_nb: b * max_nb + need] = st.block_ids[:need]
-            lens[b] = st.num_computed_tokens + 1
+            lens[b] = reqs[order[b]].num_computed_tokens + 1
+            needs.append(-(-int(lens[b]) // bs))
+        group_tables = []
+        for a, e in decode_groups(needs):
+            nb = needs[e - 1]
+            bt, bt_off = stg.alloc((e - a) * nb)
+            bt[:] = 0
+            for b in range(a, e):
+                bt[(b - a) * nb:(b - a) * nb + needs[b]] = reqs[order[b]].block_ids[:needs[b]]
+            group_tables.append((a, e, nb, bt_off))
         # Block tables of multi-token rows with a cached prefix (the others attend only to themselves).
         pf_tables = []
         for b, (_s, _e, c, need) in zip(range(num_decode, len(order)), prefill_specs, strict=True):
@@ -186,12 +201,11 @@ class ModelRunner:
         if scatter_dst:
             input_ids.index_copy_(0, stg.view(sd_off, len(sd)),
                                   self.prev_sampled_token_ids.index_select(0, stg.view(ss_off, len(ss))))
-        decode_bt = decode_mask = None
-        if num_decode:
-            decode_bt = stg.view(bt_off, num_decode * max_nb, (num_decode, max_nb))
-            keys = self.arange[: max_nb * bs]
-            decode_mask = (keys.unsqueeze(0) < stg.view(lens_off, num_decode).unsqueeze(1)).view(
-                1, num_decode, 1, max_nb * bs)
+        groups = []
+        for a, e, nb, bt_off in group_tables:
+            keys = self.arange[: nb * bs]
+            mask = (keys.unsqueeze(0) < stg.view(lens_off + a, e - a).unsqueeze(1)).view(1, e - a, 1, nb * bs)
+            groups.append(DecodeGroup(a, e, stg.view(bt_off, (e - a) * nb, (e - a, nb)), mask))
         prefills = []
         for (s, e, c, _need), tb in zip(prefill_specs, pf_tables, strict=True):
             if tb is None:
@@ -201,7 +215,7 @@ class ModelRunner:
             keys = self.arange[: c + n]
             mask = (keys.unsqueeze(0) <= (self.arange[:n] + c).unsqueeze(1)).view(1, 1, n, c + n)
             prefills.append(PrefillRow(s, e, c, stg.view(tb[0], tb[1]), mask))
-        meta = AttentionMetadata(stg.view(slot_off, t), num_decode, decode_bt, decode_mask, prefills)
+        meta = AttentionMetadata(stg.view(slot_off, t), groups, prefills)
         return order, input_ids, stg.view(pos_off, t), meta, sample_rows, stg.view(li_off, len(logits_idx))
 
     # ---- the two-phase step ----

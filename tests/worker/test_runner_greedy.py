@@ -108,3 +108,34 @@ def test_partial_prefill_returns_empty_and_unscheduled_keep_state(references):
     sched.step(only={"r3"})  # r0 sits out a step: its state must survive
     res = sched.run()
     assert res["r0"] == ref[0] and res["r3"] == ref[3]
+
+
+def test_decode_groups_bound_padding():
+    from stepahead.worker.model_runner import decode_groups
+
+    assert decode_groups([1] * 8 + [10] * 4) == [(0, 8), (8, 12)]
+    assert decode_groups([1, 1, 10]) == [(0, 3)]  # too few rows to split
+    assert decode_groups([2] * 9 + [4] * 3) == [(0, 12)]  # within 2x: one call
+
+
+def test_mixed_length_decode_groups_match(tiny_model_factory):
+    folder = tiny_model_factory("llama")
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 2000) for _ in range(n)] for n in [4, 6, 3, 9, 5, 7, 4, 8, 150, 170, 140, 200]]
+    ref = hf_greedy(folder, prompts, 6)
+    runner = ModelRunner(make_config(folder, block_size=16))
+    sched = MiniSched(runner, 16)
+    for i, p in enumerate(prompts):
+        sched.add(f"r{i}", p, 6)
+    sched.step()  # all prefills
+    seen = []
+    orig = runner.model.forward
+
+    def spy(input_ids, positions, kv_cache, meta):
+        seen.append(len(meta.decode_groups))
+        return orig(input_ids, positions, kv_cache, meta)
+
+    runner.model.forward = spy
+    out = sched.run()
+    assert [out[f"r{i}"] for i in range(len(prompts))] == ref
+    assert max(seen) == 2
