@@ -147,19 +147,26 @@ class _Server(uvicorn.Server):
         super().__init__(config)
         self._engine, self._state, self._shutdown_timeout = engine, state, shutdown_timeout
 
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets=sockets)
+
     def handle_exit(self, sig: int, frame) -> None:
         if not self._state.draining:
             self._state.draining = True
-            n = self._engine.num_in_flight
-            if self._shutdown_timeout > 0:
-                logger.info("Shutting down: draining %d in-flight request(s) for up to %.0f s", n,
-                            self._shutdown_timeout)
-            else:
-                logger.info("Shutting down: aborting %d in-flight request(s)", n)
-                self._engine.abort_all(RuntimeError("The server is shutting down"))
+            # A signal handler may interrupt the event loop anywhere: do the work as a loop callback.
+            self._loop.call_soon_threadsafe(self._begin_shutdown)
         super().handle_exit(sig, frame)
         # uvicorn would re-raise the signal after serving; we exit normally, after stopping the engine.
         self._captured_signals.clear()
+
+    def _begin_shutdown(self) -> None:
+        n = self._engine.num_in_flight
+        if self._shutdown_timeout > 0:
+            logger.info("Shutting down: draining %d in-flight request(s) for up to %.0f s", n, self._shutdown_timeout)
+        else:
+            logger.info("Shutting down: aborting %d in-flight request(s)", n)
+            self._engine.abort_all(RuntimeError("The server is shutting down"))
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
