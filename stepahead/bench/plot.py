@@ -31,6 +31,7 @@ KNOWN_COLORS = {
     "forward": "#55a868",
     "sample": "#937860",
 }
+MIN_VISIBLE = 0.002  # fraction of the time axis
 EXTRA_COLORS = ["#da8bc3", "#8c8c8c", "#ccb974", "#64b5cd", "#2f4b7c"]
 
 
@@ -73,7 +74,10 @@ def plot_timelines(
     num_steps: int = 8,
     title: str | None = None,
 ) -> Path:
-    """Draw each run's engine and worker lanes over num_steps steady-state steps into a PNG."""
+    """Draw each run's engine and worker lanes over num_steps steady-state steps into a PNG.
+
+    Spans shorter than MIN_VISIBLE of the axis are drawn at that width (busy figures use true times).
+    """
     if not runs:
         raise ValueError("plot_timelines needs at least one run")
     windows = [steady_window(spans, num_steps) for _, spans in runs]
@@ -86,7 +90,10 @@ def plot_timelines(
                 if s.lane != lane or s.end < win.start or s.start > win.end:
                     continue
                 a, b = max(s.start, win.start), min(s.end, win.end)
-                ax.broken_barh([((a - win.start) * 1e3, (b - a) * 1e3)], (row - 0.35, 0.7),
+                # Spans under 0.2% of the axis are widened to that, or sub-millisecond engine work
+                # next to a 600 ms forward pass would not show at all.
+                width = max((b - a) * 1e3, MIN_VISIBLE * xmax_ms)
+                ax.broken_barh([((a - win.start) * 1e3, width)], (row - 0.35, 0.7),
                                facecolors=_color_for(s.name, colors), edgecolor="white", linewidth=0.3)
         busy = busy_seconds(spans, "worker", win.start, win.end) / win.length if win.length > 0 else 0.0
         ms_per_step = win.length * 1e3 / win.num_steps

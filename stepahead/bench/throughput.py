@@ -289,6 +289,15 @@ def emit_outputs(ns, kind: str, engine_args: EngineArgs, result: dict) -> None:
         last[r.label] = r
     # Sync above async, so the idle gaps sit right over the solid lane.
     timelines = [(lbl, r.spans) for lbl, r in sorted(last.items(), key=lambda kv: "async" in kv[0]) if r.spans]
+    if timelines:
+        from stepahead.bench.trace import worker_gaps
+
+        result["summary"]["worker_gaps"] = {}
+        for lbl, spans in timelines:
+            gaps = worker_gaps(spans)
+            result["summary"]["worker_gaps"][lbl] = gaps
+            shown = ", ".join(f"{k} {v['median_ms']:.2f}" for k, v in sorted(gaps.items()) if v["count"] > 1)
+            print(f"worker idle gaps in the last {lbl} run, median ms: {shown}")
     if ns.trace_file and timelines:
         from stepahead.bench.trace import write_trace
 

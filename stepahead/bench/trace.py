@@ -103,3 +103,22 @@ def busy_seconds(spans: Sequence[Span], lane: str, t0: float, t1: float) -> floa
 def forward_spans(spans: Sequence[Span]) -> list[Span]:
     """The worker's forward passes, in order: one per executed step."""
     return [s for s in spans if s.lane == "worker" and s.name == "forward"]
+
+
+def worker_gaps(spans: Sequence[Span]) -> dict[str, dict[str, float]]:
+    """Idle time of the worker lane between consecutive spans, by transition ("forward->sample", ...).
+
+    Where the accelerator waits is where the step-ahead scheduler should help: "sample->prepare_inputs"
+    is the turn-around between steps (result back, bookkeeping, next step in), "forward->sample" the
+    round trip between the two halves of one step.
+    """
+    work = sorted((s for s in spans if s.lane == "worker"), key=lambda s: s.start)
+    gaps: dict[str, list[float]] = {}
+    for a, b in zip(work, work[1:], strict=False):
+        gaps.setdefault(f"{a.name}->{b.name}", []).append(max(0.0, b.start - a.end))
+    out = {}
+    for key, values in gaps.items():
+        values.sort()
+        out[key] = {"count": len(values), "median_ms": values[len(values) // 2] * 1e3,
+                    "mean_ms": sum(values) / len(values) * 1e3, "total_s": sum(values)}
+    return out

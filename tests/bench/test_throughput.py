@@ -53,6 +53,7 @@ def test_compare_sync_writes_json_trace_and_plot(tiny_llama, tmp_path, capsys):
         assert lanes == {"engine", "worker"}
         assert sum(e["name"] == "forward" for e in spans) == sum(e["name"] == "sample" for e in spans) > 0
         assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)
+    assert set(data["summary"]["worker_gaps"]) == {"sync", "async"}
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 

@@ -69,3 +69,14 @@ def test_plot_needs_forward_spans(tmp_path):
     spans = to_spans([{"name": "schedule", "lane": "engine", "start": 0.0, "end": 1.0}])
     with pytest.raises(ValueError, match="forward"):
         plot_timelines([("x", spans)], tmp_path / "x.png")
+
+
+def test_worker_gaps_by_transition():
+    from stepahead.bench.trace import worker_gaps
+
+    gaps = worker_gaps(to_spans(_sync_events(4)))
+    # _sync_events: prepare -> forward -> sample back to back, then 5 ms of engine work before the next step.
+    assert gaps["prepare_inputs->forward"]["median_ms"] == pytest.approx(0.0)
+    assert gaps["sample->prepare_inputs"]["count"] == 3
+    assert gaps["sample->prepare_inputs"]["median_ms"] == pytest.approx(5.0)
+    assert gaps["sample->prepare_inputs"]["total_s"] == pytest.approx(0.015)
