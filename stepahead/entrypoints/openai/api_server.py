@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response
 
 from stepahead.engine.async_llm import AsyncLLM
 from stepahead.entrypoints.openai.errors import APIError, APIKeyMiddleware, install_error_handlers
-from stepahead.entrypoints.openai.metrics import ServerMetrics
+from stepahead.entrypoints.openai.metrics import ServerMetrics, log_stats_periodically
 from stepahead.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -229,11 +229,14 @@ async def run_server(ns: argparse.Namespace, defaults: argparse.Namespace) -> in
     uv_config = uvicorn.Config(app, log_level=ns.uvicorn_log_level, lifespan="off",
                                timeout_graceful_shutdown=max(ns.shutdown_timeout, 1.0))
     server = _Server(uv_config, engine, state, ns.shutdown_timeout)
-    watchdog = asyncio.get_running_loop().create_task(_exit_on_engine_death(engine, server))
+    loop = asyncio.get_running_loop()
+    tasks = [loop.create_task(_exit_on_engine_death(engine, server)),
+             loop.create_task(log_stats_periodically(engine.get_stats))]
     try:
         await server.serve(sockets=[sock])
     finally:
-        watchdog.cancel()
+        for task in tasks:
+            task.cancel()
         engine.shutdown()
         sock.close()
     logger.info("Server stopped")

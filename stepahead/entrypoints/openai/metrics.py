@@ -9,6 +9,9 @@ Each app gets its own registry, so several servers in one process never collide.
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -17,6 +20,8 @@ from prometheus_client.registry import Collector
 
 from stepahead.engine.async_llm import IterationStats
 from stepahead.outputs import EngineStats
+
+logger = logging.getLogger("stepahead.entrypoints.openai")
 
 PREFIX = "stepahead:"
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -117,3 +122,21 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+async def log_stats_periodically(get_stats: Callable[[], EngineStats], interval_s: float = 10.0) -> None:
+    """vLLM's periodic engine line, skipped while the engine is idle and nothing changed."""
+    prev, t_prev = get_stats(), time.monotonic()
+    while True:
+        await asyncio.sleep(interval_s)
+        cur, now = get_stats(), time.monotonic()
+        dt = max(now - t_prev, 1e-9)
+        prompt, gen = cur.prompt_tokens - prev.prompt_tokens, cur.generation_tokens - prev.generation_tokens
+        if prompt or gen or cur.num_running or cur.num_waiting:
+            queries = cur.prefix_cache_queries - prev.prefix_cache_queries
+            hits = cur.prefix_cache_hits - prev.prefix_cache_hits
+            logger.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+                        "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%, "
+                        "Worker utilization: %.1f%%", prompt / dt, gen / dt, cur.num_running, cur.num_waiting,
+                        100 * cur.kv_cache_usage, 100 * hits / queries if queries else 0.0, 100 * cur.utilization)
+        prev, t_prev = cur, now
