@@ -150,7 +150,7 @@ class OpenAIServingCompletion:
         return JSONResponse(resp.model_dump(mode="json"))
 
     def _add_logprobs(self, ctx: _Ctx, ch: _Choice, co: CompletionOutput, flush: bool) -> CompletionLogprobs | None:
-        """Queue this delta's logprobs; return (and, non-streaming, accumulate) those ready to send."""
+        """Queue this delta's logprobs; return those ready to send. flush (non-streaming): take all, keep them."""
         if ctx.req.logprobs is None or co.logprobs is None:
             return None
         ch.pending_ids.extend(co.token_ids)
@@ -160,10 +160,11 @@ class OpenAIServingCompletion:
         lp, ch.text_offset = completion_logprobs(ch.pending_ids, ch.pending_lps, ctx.req.logprobs,
                                                  ch.text_offset, self.engine.tokenizer.decode)
         ch.pending_ids, ch.pending_lps = [], []
-        if ch.logprobs is None:
-            ch.logprobs = CompletionLogprobs()
-        for name in ("text_offset", "token_logprobs", "tokens", "top_logprobs"):
-            getattr(ch.logprobs, name).extend(getattr(lp, name))
+        if flush:
+            if ch.logprobs is None:
+                ch.logprobs = CompletionLogprobs()
+            for name in ("text_offset", "token_logprobs", "tokens", "top_logprobs"):
+                getattr(ch.logprobs, name).extend(getattr(lp, name))
         return lp
 
     # -- streaming ---------------------------------------------------------------------------------
