@@ -63,6 +63,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in input order."""
         prompt_list = _as_prompt_list(prompts)
+        if not prompt_list:
+            return []
         params_list = self._params_list(sampling_params, len(prompt_list))
         return self._run(prompt_list, params_list, use_tqdm)
 
@@ -75,7 +77,9 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} dicts) or a list of them."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if not messages:
+            raise ValueError("messages must be a non-empty conversation or a list of conversations")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         prompts = [self.apply_chat_template(c, add_generation_prompt, chat_template_kwargs) for c in conversations]
         params_list = self._params_list(sampling_params, len(prompts))
         return self._run(prompts, params_list, use_tqdm)
@@ -233,8 +237,6 @@ def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTy
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
         return [prompts]
-    if not prompts:
-        raise ValueError("prompts must not be empty")
     return prompts
 
 

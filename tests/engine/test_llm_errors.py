@@ -89,3 +89,9 @@ def test_garbage_collection_stops_the_worker(tiny_llama):
     del llm
     gc.collect()
     assert not proc.is_alive() and proc.exitcode == 0
+
+
+def test_empty_prompt_list_and_empty_conversation(llm):
+    assert llm.generate([], PARAMS, use_tqdm=False) == []
+    with pytest.raises(ValueError, match="messages must be a non-empty"):
+        llm.chat([], PARAMS, use_tqdm=False)
