@@ -6,6 +6,7 @@ dimensions, HF checkpoints pair the two halves); we undo that so one model imple
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,6 +27,7 @@ _LAYER_NAMES = {
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
+@functools.lru_cache(maxsize=2)  # config and weights read the same file; parsing its metadata takes seconds
 def _open(path: str):
     import gguf
 

@@ -50,6 +50,12 @@ def test_bad_inputs(tiny_llama, tmp_path):
     (corrupt / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a header")
     with pytest.raises(ValueError, match="safetensors"):
         load_model_config(EngineArgs(model=str(corrupt)), "cpu")
+    yarn = _copy(tiny_llama, tmp_path / "yarn")
+    cfg = json.loads((yarn / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    (yarn / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="rope_scaling type 'yarn'"):
+        load_model_config(EngineArgs(model=str(yarn)), "cpu")
     (tmp_path / "junk.gguf").write_bytes(b"GGUF garbage")
     with pytest.raises(ValueError, match="GGUF"):
         load_model_config(EngineArgs(model=str(tmp_path / "junk.gguf")), "cpu")
