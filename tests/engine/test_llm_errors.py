@@ -62,16 +62,22 @@ def test_unknown_engine_argument():
         LLM("unused", max_num_seq=4)
 
 
-def test_killed_worker_raises_clear_error(tiny_llama):
+@pytest.mark.parametrize("when", ["between_calls", "mid_generation"])
+def test_killed_worker_raises_clear_error(tiny_llama, when):
     llm = LLM(str(tiny_llama), executor="mp", max_model_len=64)
     try:
-        (ok,) = llm.generate(GOOD, PARAMS, use_tqdm=False)
-        stream = llm.generate_stream(GOOD, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
-        next(stream)
-        pid = llm._executor.worker_pid
-        os.kill(pid, signal.SIGKILL)
-        with pytest.raises(RuntimeError, match=r"engine died.*worker process \(pid \d+\) died unexpectedly"):
-            list(stream)
+        llm.generate(GOOD, PARAMS, use_tqdm=False)
+        died = r"engine died.*worker process \(pid \d+\) died unexpectedly \(killed by signal 9\)"
+        if when == "between_calls":
+            os.kill(llm._executor.worker_pid, signal.SIGKILL)
+            with pytest.raises(RuntimeError, match=died):
+                llm.generate([GOOD, GOOD], PARAMS, use_tqdm=False)
+        else:
+            stream = llm.generate_stream(GOOD, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+            next(stream)
+            os.kill(llm._executor.worker_pid, signal.SIGKILL)
+            with pytest.raises(RuntimeError, match=died):
+                list(stream)
         with pytest.raises(RuntimeError, match="died earlier"):
             llm.generate(GOOD, PARAMS, use_tqdm=False)
     finally:
