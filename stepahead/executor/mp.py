@@ -52,7 +52,8 @@ class MultiprocExecutor(Executor):
         # Only the worker holds these ends now, so its exit closes them.
         calls_r.close()
         results_w.close()
-        self._lock = threading.Lock()  # guards _pending, _error, _closed and the order of sends
+        self._lock = threading.Lock()  # guards _pending, _error, _closed
+        self._send_lock = threading.Lock()
         self._pending: deque[Future] = deque()
         self._error: RuntimeError | None = None
         self._closed = False
@@ -87,8 +88,8 @@ class MultiprocExecutor(Executor):
             if self._closed:
                 return
             self._closed = True
-            with contextlib.suppress(OSError, ValueError):
-                self._calls.send(("shutdown", None))
+        with self._send_lock, contextlib.suppress(OSError, ValueError):
+            self._calls.send(("shutdown", None))
         self._stop_process()
         self._fail_pending(RuntimeError("stepahead executor was shut down"))
 
@@ -96,11 +97,15 @@ class MultiprocExecutor(Executor):
 
     def _submit(self, method: str, arg: Any) -> Future:
         fut: Future = Future()
-        with self._lock:
-            if self._error is not None or self._closed:
-                fut.set_exception(self._error or RuntimeError("stepahead executor was shut down"))
-                return fut
-            self._pending.append(fut)
+        # _send_lock keeps calls in the order of their futures. The send itself happens outside
+        # _lock: a call larger than the pipe buffer blocks until the worker reads it, and the reader
+        # thread must meanwhile be free to take results off the other pipe.
+        with self._send_lock:
+            with self._lock:
+                if self._error is not None or self._closed:
+                    fut.set_exception(self._error or RuntimeError("stepahead executor was shut down"))
+                    return fut
+                self._pending.append(fut)
             try:
                 self._calls.send((method, arg))
                 return fut

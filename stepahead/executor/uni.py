@@ -96,11 +96,7 @@ class UniProcExecutor(Executor):
 
     def _run(self, ready: Future) -> None:
         try:
-            if self.config.num_threads:
-                import torch
-
-                torch.set_num_threads(self.config.num_threads)
-            from stepahead.worker.model_runner import ModelRunner
+            from stepahead.worker.model_runner import ModelRunner  # it applies config.num_threads
 
             runner = ModelRunner(self.config)
         except BaseException as e:  # noqa: BLE001 - surfaced to the constructor's caller

@@ -189,3 +189,20 @@ def test_script_without_main_guard_starts_one_worker(tiny_llama, tmp_path):
                           env=os.environ | {"PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "script body ran\ndone\n"
+
+
+def test_large_calls_and_results_cross_the_pipes(tiny_llama):
+    """Steps bigger than a pipe buffer both ways (long prompts in, top-20 logprobs out): mp == uni."""
+    import random
+
+    from stepahead import LLM
+
+    rng = random.Random(3)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, 2048) for _ in range(300)]} for _ in range(48)]
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=20)
+    results = {}
+    for kind in ("uni", "mp"):
+        with LLM(str(tiny_llama), executor=kind, max_model_len=512, max_num_batched_tokens=8192) as llm:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            results[kind] = [(o.outputs[0].token_ids, [sorted(d) for d in o.outputs[0].logprobs]) for o in outs]
+    assert results["mp"] == results["uni"]
