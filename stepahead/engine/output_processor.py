@@ -26,6 +26,19 @@ class RequestOutputKind(enum.Enum):
     FINAL_ONLY = 2  # one RequestOutput, when the request has finished
 
 
+def fast_decoder(tokenizer: Any) -> Any:
+    """tokenizer.decode, minus transformers' per-call wrapper where that wrapper adds nothing.
+
+    Detokenization runs twice per token per request on the engine's thread; the wrapper costs 3x
+    the decode itself. Only a plain TokenizersBackend without space clean-up takes the short cut.
+    """
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if (type(tokenizer).__name__ == "TokenizersBackend" and backend is not None
+            and not getattr(tokenizer, "clean_up_tokenization_spaces", True)):
+        return backend.decode
+    return tokenizer.decode
+
+
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text, emitting only complete characters.
 
@@ -35,7 +48,7 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool) -> None:
-        self._tokenizer = tokenizer
+        self._decode = fast_decoder(tokenizer)
         self._skip = skip_special_tokens
         self._ids = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         self._prefix_offset = 0
@@ -45,7 +58,7 @@ class IncrementalDetokenizer:
         if not token_ids:
             return ""
         self._ids.extend(token_ids)
-        decode = self._tokenizer.decode
+        decode = self._decode
         prefix_text = decode(self._ids[self._prefix_offset:self._read_offset], skip_special_tokens=self._skip)
         full_text = decode(self._ids[self._prefix_offset:], skip_special_tokens=self._skip)
         if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
@@ -57,7 +70,7 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """At the end of the output: text still held back (an incomplete character decodes as U+FFFD)."""
-        decode = self._tokenizer.decode
+        decode = self._decode
         prefix_text = decode(self._ids[self._prefix_offset:self._read_offset], skip_special_tokens=self._skip)
         full_text = decode(self._ids[self._prefix_offset:], skip_special_tokens=self._skip)
         self._prefix_offset = self._read_offset = len(self._ids)

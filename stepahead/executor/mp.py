@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
-import os
 import sys
 import threading
 from collections import deque
@@ -21,21 +20,10 @@ from typing import Any
 from stepahead.config import EngineConfig
 from stepahead.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from stepahead.executor.abstract import Executor
+from stepahead.executor.common import default_worker_threads
 from stepahead.executor.worker_proc import worker_main
 
 _SHUTDOWN_GRACE_S = 5.0
-
-
-def default_worker_threads(device: str) -> int:
-    """Torch threads for the worker: every core but one, which is left to the engine's bookkeeping.
-
-    Measured on the 2-core build machines with the built-in model (benchmarks/offline_throughput.py):
-    1 worker thread overlapped with the engine process beats 2 threads contending with it.
-    """
-    if device != "cpu":
-        return 1
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores - 1)
 
 
 class MultiprocExecutor(Executor):

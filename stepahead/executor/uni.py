@@ -18,26 +18,7 @@ from typing import Any
 from stepahead.config import EngineConfig
 from stepahead.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from stepahead.executor.abstract import Executor
-
-
-class StepTimer:
-    """Sums the time a worker spends in the calls of one step; stamps it on the step's output.
-
-    A step is execute_model (returning None) then sample_tokens, or execute_model alone when it
-    returns an output directly. The runner may fill busy_s itself; then its value is kept.
-    """
-
-    def __init__(self) -> None:
-        self._pending_s = 0.0
-
-    def record(self, started: float, out: ModelRunnerOutput | None) -> ModelRunnerOutput | None:
-        self._pending_s += time.perf_counter() - started
-        if out is not None:
-            if not out.busy_s:
-                out.busy_s = self._pending_s
-            self._pending_s = 0.0
-        return out
-
+from stepahead.executor.common import StepTimer, default_worker_threads
 
 _STOP = object()
 
@@ -45,6 +26,7 @@ _STOP = object()
 class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self.num_threads = config.num_threads or default_worker_threads(config.device)
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._pending: deque[Future] = deque()  # submitted and not yet resolved, oldest first
@@ -96,7 +78,11 @@ class UniProcExecutor(Executor):
 
     def _run(self, ready: Future) -> None:
         try:
-            from stepahead.worker.model_runner import ModelRunner  # it applies config.num_threads
+            import torch
+
+            # Process-wide: the engine thread needs a core of its own while a step runs.
+            torch.set_num_threads(self.num_threads)
+            from stepahead.worker.model_runner import ModelRunner
 
             runner = ModelRunner(self.config)
         except BaseException as e:  # noqa: BLE001 - surfaced to the constructor's caller

@@ -13,7 +13,7 @@ import traceback
 from multiprocessing.connection import Connection
 
 from stepahead.config import EngineConfig
-from stepahead.executor.uni import StepTimer
+from stepahead.executor.common import StepTimer
 
 EXIT_ON_ERROR = 3
 
