@@ -67,7 +67,7 @@ def run_chat(ns: argparse.Namespace) -> int:
         while True:
             try:
                 line = input("> ")
-            except EOFError:
+            except (EOFError, KeyboardInterrupt):
                 print(file=sys.stderr)
                 return 0
             if line.strip() == "/exit":
@@ -124,9 +124,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     try:
         return int(ns.func(ns) or 0)
-    except ValueError as e:
+    except ValueError as e:  # bad input: flags, prompt, model folder
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:  # the engine or its worker failed
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
