@@ -18,7 +18,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from stepahead.bench.datasets import SampleRequest, random_token_requests
+from stepahead.bench.datasets import SampleRequest, load_jsonl_requests, random_token_requests
 from stepahead.bench.report import command_line, engine_args_dict, machine_info, now_utc, write_json
 from stepahead.bench.trace import Span, to_spans
 from stepahead.config import EngineArgs
@@ -94,11 +94,18 @@ def drain_spans(llm) -> list[Span]:
     return to_spans(core.drain_trace_events()) if core.config.trace else []
 
 
-def workload(llm, num_prompts: int, input_len: tuple[int, int], output_len: tuple[int, int],
-             seed: int) -> list[SampleRequest]:
+def workload(llm, ns) -> list[SampleRequest]:
+    """Random token ids (nano-vllm's protocol), or --dataset-path prompts turned into token ids."""
     tok = llm.get_tokenizer()
+    if getattr(ns, "dataset_path", None):
+        rows = load_jsonl_requests(ns.dataset_path, ns.num_prompts, ns.output_len[1], tok)
+        # Token ids for every engine alike; the text may hold a chat template's special tokens.
+        return [r if not isinstance(r.prompt, str) else
+                SampleRequest(ids := tok.encode(r.prompt, add_special_tokens=False), len(ids), r.expected_output_len)
+                for r in rows]
     special = list(getattr(tok, "all_special_ids", []) or [])
-    return random_token_requests(num_prompts, input_len, output_len, llm.config.model_config.vocab_size, seed, special)
+    return random_token_requests(ns.num_prompts, ns.input_len, ns.output_len, llm.config.model_config.vocab_size,
+                                 ns.seed, special)
 
 
 def sampling_params(requests: list[SampleRequest], temperature: float, ignore_eos: bool):
@@ -144,7 +151,7 @@ def run_once(llm, label: str, requests: list[SampleRequest], params, use_tqdm: b
 def run_single(ns, engine_args: EngineArgs, tracing: bool) -> dict:
     llm = make_llm(engine_args, None, tracing)
     try:
-        requests = workload(llm, ns.num_prompts, ns.input_len, ns.output_len, ns.seed)
+        requests = workload(llm, ns)
         warm_up(llm, requests)
         label = "async" if llm.config.async_scheduling else "sync"
         res = run_once(llm, label, requests, sampling_params(requests, ns.temperature, ns.ignore_eos), ns.progress)
@@ -158,7 +165,7 @@ def run_compare_sync(ns, engine_args: EngineArgs, tracing: bool) -> dict:
     engines = {"async": make_llm(engine_args, True, tracing)}
     try:
         engines["sync"] = make_llm(engine_args, False, tracing)
-        requests = workload(engines["async"], ns.num_prompts, ns.input_len, ns.output_len, ns.seed)
+        requests = workload(engines["async"], ns)
         params = sampling_params(requests, ns.temperature, ns.ignore_eos)
         for llm in engines.values():
             warm_up(llm, requests)
@@ -209,7 +216,7 @@ def run_compare_transformers(ns, engine_args: EngineArgs, tracing: bool) -> dict
 
     llm = make_llm(engine_args, None, tracing)
     try:
-        requests = workload(llm, ns.num_prompts, ns.input_len, ns.output_len, ns.seed)
+        requests = workload(llm, ns)
         warm_up(llm, requests)
         label = "stepahead " + ("async" if llm.config.async_scheduling else "sync")
         ours = run_once(llm, label, requests, sampling_params(requests, 0.0, True), ns.progress)
@@ -253,6 +260,9 @@ def add_workload_args(parser: argparse.ArgumentParser, num_prompts: int, input_l
                    help=f"prompt length range in tokens, uniform (default: {input_len})")
     g.add_argument("--output-len", type=_range, default=_range(output_len), metavar="MIN:MAX",
                    help=f"output length range in tokens, uniform (default: {output_len})")
+    g.add_argument("--dataset-path", default=None, metavar="FILE.jsonl",
+                   help="prompts from JSONL ({\"prompt\" | \"prompt_token_ids\", \"output_len\"?} a line; "
+                        "output_len defaults to the --output-len maximum) instead of random token ids")
     g.add_argument("--temperature", type=float, default=0.6, help="(default: %(default)s, as nano-vllm's bench)")
     g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="generate every requested token (default: on); --no-ignore-eos lets EOS finish requests")
@@ -315,7 +325,7 @@ def emit_outputs(ns, kind: str, engine_args: EngineArgs, result: dict) -> None:
 
 
 def _workload_dict(ns) -> dict:
-    keys = ("num_prompts", "input_len", "output_len", "temperature", "ignore_eos", "seed", "compare", "rounds")
+    keys = ("num_prompts", "dataset_path", "input_len", "output_len", "temperature", "ignore_eos", "seed", "compare", "rounds")
     return {k: getattr(ns, k) for k in keys if hasattr(ns, k)}
 
 
