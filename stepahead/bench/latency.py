@@ -17,7 +17,7 @@ import numpy as np
 
 from stepahead.bench.datasets import random_token_requests
 from stepahead.bench.report import distribution_ms
-from stepahead.bench.throughput import add_output_args, drain_spans, emit_outputs, make_llm
+from stepahead.bench.throughput import add_output_args, drain_spans, emit_outputs, make_llm, mode_label
 from stepahead.bench.trace import Span
 
 
@@ -93,7 +93,7 @@ def main(ns: argparse.Namespace) -> int:
     engine_args = engine_args_from_namespace(ns)
     llm = make_llm(engine_args, None, trace=True)  # the per-step figures come from the trace
     latencies, steps = [], []
-    label = "async" if llm.config.async_scheduling else "sync"
+    label = mode_label(llm)
     try:
         vocab = llm.config.model_config.vocab_size
         special = list(getattr(llm.get_tokenizer(), "all_special_ids", []) or [])

@@ -88,6 +88,14 @@ def make_llm(engine_args: EngineArgs, async_scheduling: bool | None, trace: bool
     return LLM(**{name: getattr(args, name) for name in EngineArgs.field_names()})
 
 
+def mode_label(llm) -> str:
+    """"sync", "async", or "async-depth3" when the batch queue is deeper than the usual 2."""
+    if not llm.config.async_scheduling:
+        return "sync"
+    depth = llm.config.max_concurrent_batches
+    return "async" if depth == 2 else f"async-depth{depth}"
+
+
 def drain_spans(llm) -> list[Span]:
     """The engine's trace events since the last drain (LLM has no public accessor yet: see the report)."""
     core = llm.engine_core
@@ -153,7 +161,7 @@ def run_single(ns, engine_args: EngineArgs, tracing: bool) -> dict:
     try:
         requests = workload(llm, ns)
         warm_up(llm, requests)
-        label = "async" if llm.config.async_scheduling else "sync"
+        label = mode_label(llm)
         res = run_once(llm, label, requests, sampling_params(requests, ns.temperature, ns.ignore_eos), ns.progress)
     finally:
         llm.shutdown()
@@ -218,7 +226,7 @@ def run_compare_transformers(ns, engine_args: EngineArgs, tracing: bool) -> dict
     try:
         requests = workload(llm, ns)
         warm_up(llm, requests)
-        label = "stepahead " + ("async" if llm.config.async_scheduling else "sync")
+        label = "stepahead " + mode_label(llm)
         ours = run_once(llm, label, requests, sampling_params(requests, 0.0, True), ns.progress)
         device, dtype = llm.config.device, llm.config.model_config.dtype
         step_tokens = llm.config.scheduler_config.max_num_batched_tokens
