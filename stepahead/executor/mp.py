@@ -29,7 +29,7 @@ _SHUTDOWN_GRACE_S = 5.0
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.num_threads = config.num_threads or default_worker_threads(config.device)
+        self.num_threads = config.num_threads or default_worker_threads(config.device, in_engine_process=False)
         ctx = multiprocessing.get_context("spawn")
         calls_r, self._calls = ctx.Pipe(duplex=False)
         self._results, results_w = ctx.Pipe(duplex=False)

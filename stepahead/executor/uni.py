@@ -26,7 +26,7 @@ _STOP = object()
 class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.num_threads = config.num_threads or default_worker_threads(config.device)
+        self.num_threads = config.num_threads or default_worker_threads(config.device, in_engine_process=True)
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._pending: deque[Future] = deque()  # submitted and not yet resolved, oldest first
