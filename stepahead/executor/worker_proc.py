@@ -8,6 +8,7 @@ input pipe (the engine process is gone) also ends the process, so a worker never
 
 from __future__ import annotations
 
+import signal
 import time
 import traceback
 from multiprocessing.connection import Connection
@@ -19,6 +20,9 @@ EXIT_ON_ERROR = 3
 
 
 def worker_main(config: EngineConfig, num_threads: int, calls: Connection, results: Connection) -> None:
+    # Ctrl-C reaches the whole process group; the engine process decides what it means (abort a
+    # request, shut down), so the worker must not die of it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         import torch
 

@@ -101,3 +101,20 @@ def test_empty_prompt_list_and_empty_conversation(llm):
     assert llm.generate([], PARAMS, use_tqdm=False) == []
     with pytest.raises(ValueError, match="messages must be a non-empty"):
         llm.chat([], PARAMS, use_tqdm=False)
+
+
+def test_ctrl_c_aborts_the_call_and_the_engine_lives_on(tiny_llama):
+    """Ctrl-C reaches the worker too (same process group): it survives, the call is aborted, the LLM works."""
+    with LLM(str(tiny_llama), executor="mp", max_model_len=64) as llm:
+        (ref,) = llm.generate(GOOD, PARAMS, use_tqdm=False)
+        stream = llm.generate_stream(GOOD, SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+        with pytest.raises(KeyboardInterrupt):
+            for k, _ in enumerate(stream):
+                if k == 2:
+                    os.kill(llm._executor.worker_pid, signal.SIGINT)
+                    os.kill(os.getpid(), signal.SIGINT)
+        stream.close()  # as leaving the caller's frame would: the request is aborted
+        assert not llm.output_processor.has_unfinished_requests()
+        (again,) = llm.generate(GOOD, PARAMS, use_tqdm=False)
+        assert again.outputs[0].token_ids == ref.outputs[0].token_ids
+        assert llm._executor._proc.is_alive()
