@@ -17,13 +17,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     serve.add_arguments(serve_p)
     serve_p.set_defaults(func=serve.main)
 
-    # "resolve": the bench's --trace FILE.json replaces the engine's boolean --trace flag.
+    # These take --trace FILE.json (add_output_args) in place of the engine's --trace switch.
     for name, module, text in (
         ("throughput", throughput, "offline throughput on nano-vllm's protocol; --compare sync|transformers"),
         ("latency", latency, "one batch end to end and the per-step latency distribution"),
     ):
-        p = sub.add_parser(name, help=text, conflict_handler="resolve")
-        add_engine_args(p, positional_model=False)
+        p = sub.add_parser(name, help=text)
+        add_engine_args(p, positional_model=False, exclude={"trace"})
         module.add_arguments(p)
         p.set_defaults(func=module.main)
     return bench

@@ -280,7 +280,7 @@ def add_workload_args(parser: argparse.ArgumentParser, num_prompts: int, input_l
 def add_output_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("output")
     g.add_argument("--json", default=None, metavar="FILE", help="write the figures as JSON")
-    # dest differs from the engine flag --trace/--no-trace (a bool) that this replaces on bench commands.
+    # Replaces the engine's --trace switch on bench commands (bench/cli.py excludes it).
     g.add_argument("--trace", dest="trace_file", default=None, metavar="FILE.json",
                    help="write a Chrome/Perfetto trace (engine and worker lanes) of the last run of each mode")
     g.add_argument("--plot", default=None, metavar="FILE.png", help="draw a two-lane timeline, sync above async")

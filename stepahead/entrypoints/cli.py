@@ -109,14 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=run_chat)
 
     for name in _SUBCOMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            # Tolerated only while the module is not written yet (removed at integration).
-            if e.name != name:
-                raise
-            continue
-        module.add_parser(subparsers)
+        importlib.import_module(name).add_parser(subparsers)
     return parser
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import typing
+from collections.abc import Collection
 from dataclasses import MISSING, fields
 from typing import Any
 
@@ -49,8 +50,13 @@ def flag_name(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
 
 
-def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = True) -> argparse.ArgumentParser:
-    """Add the model (positional when asked, and --model) and one flag per EngineArgs field."""
+def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = True,
+                    exclude: Collection[str] = ()) -> argparse.ArgumentParser:
+    """Add the model (positional when asked, and --model) and one flag per EngineArgs field.
+
+    exclude: fields a subcommand gives a flag of its own (serve and bench take --trace FILE); those
+    fields keep their EngineArgs default.
+    """
     group = parser.add_argument_group("engine")
     if positional_model:
         group.add_argument("model", nargs="?", default=None,
@@ -59,7 +65,7 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Tr
                        help="model folder or .gguf file (default: the built-in SmolLM2-135M-Instruct)")
     hints = typing.get_type_hints(EngineArgs)
     for f in fields(EngineArgs):
-        if f.name in _SKIP:
+        if f.name in _SKIP or f.name in exclude:
             continue
         default = f.default if f.default is not MISSING else None
         kind = _base_type(hints[f.name])

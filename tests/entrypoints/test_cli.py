@@ -102,3 +102,12 @@ def test_subcommands_registered():
     assert {"generate", "chat"} <= set(leaves)
     for name, parser in leaves.items():
         assert callable(parser.get_default("func")), name
+
+
+@pytest.mark.parametrize("command", ["serve", "bench throughput", "bench latency"])
+def test_trace_file_flag_replaces_the_engine_switch(command):
+    parser = _leaf_commands(build_parser())[command]
+    text = parser.format_help()
+    assert "--trace FILE.json" in text and "--no-trace" not in text
+    ns = parser.parse_args(["--trace", "t.json"])
+    assert ns.trace_file == "t.json" and engine_args_from_namespace(ns).trace is False

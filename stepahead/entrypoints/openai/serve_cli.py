@@ -8,7 +8,7 @@ from stepahead.entrypoints.engine_flags import add_engine_args
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    add_engine_args(parser, positional_model=True)
+    add_engine_args(parser, positional_model=True, exclude={"trace"})
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     group.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one "
@@ -20,21 +20,20 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             "0 aborts them (default: %(default)s)")
     group.add_argument("--uvicorn-log-level", default="warning",
                        choices=["critical", "error", "warning", "info", "debug", "trace"])
-    # The engine flag --trace is a switch; the server takes a file to write the trace to at shutdown.
+    # Instead of the engine's --trace switch: a file to write the trace to at shutdown.
     group.add_argument("--trace", dest="trace_file", default=None, metavar="FILE.json",
                        help="record engine and worker events and write a Chrome trace there on shutdown")
     return parser
 
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="stepahead serve", conflict_handler="resolve",
-                                     description="OpenAI-compatible HTTP server")
+    parser = argparse.ArgumentParser(prog="stepahead serve", description="OpenAI-compatible HTTP server")
     return add_server_args(parser)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("serve", help="start the OpenAI-compatible HTTP server",
-                                   conflict_handler="resolve", description="OpenAI-compatible HTTP server")
+                                   description="OpenAI-compatible HTTP server")
     add_server_args(parser)
     parser.set_defaults(func=_run)
     return parser
@@ -43,5 +42,4 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def _run(ns: argparse.Namespace) -> int:
     from stepahead.entrypoints.openai.api_server import run
 
-    defaults = add_server_args(argparse.ArgumentParser(conflict_handler="resolve")).parse_args([])
-    return run(ns, defaults)
+    return run(ns, make_parser().parse_args([]))
