@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
-from stepahead.engine.async_llm import AsyncLLM, RequestStream
+from stepahead.engine.async_llm import RequestStream
 from stepahead.entrypoints.openai.errors import APIError
 from stepahead.entrypoints.openai.protocol import (
     CompletionChoice,
@@ -20,36 +18,21 @@ from stepahead.entrypoints.openai.protocol import (
     UsageInfo,
     random_id,
 )
-from stepahead.entrypoints.openai.serving_utils import (
-    SSE_DONE,
-    ServedModel,
-    SSEResponse,
-    check_finish,
-    clamp,
-    reject_unsupported,
-    sampling_params_of,
-    sse,
-    sse_error,
-    usage,
-    with_cancellation,
-)
+from stepahead.entrypoints.openai.serving_base import Choice, OpenAIServing, ResponseContext
+from stepahead.entrypoints.openai.serving_utils import clamp, sampling_params_of, token_text
 from stepahead.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 @dataclass
-class _Choice:
-    """One choice being assembled (non-streaming) or streamed."""
-
-    text: str = ""
-    num_tokens: int = 0
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
+class _CompletionChoice(Choice):
     echoed: bool = False
     text_offset: int = 0
-    # Tokens whose text has not been sent yet (an incomplete UTF-8 character): their logprobs wait.
-    pending_ids: list[int] = field(default_factory=list)
-    pending_lps: list[dict[int, Logprob]] = field(default_factory=list)
     logprobs: CompletionLogprobs | None = None
+
+
+@dataclass
+class _CompletionContext(ResponseContext):
+    prompt_index: dict[str, int]  # engine request id -> its prompt's position
 
 
 def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], top_n: int, offset: int,
@@ -58,7 +41,7 @@ def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]],
     out = CompletionLogprobs()
     for tid, entry in zip(token_ids, entries, strict=False):
         sampled = entry.get(tid)
-        token = _token_text(tid, sampled, decode)
+        token = token_text(tid, sampled, decode)
         out.tokens.append(token)
         out.token_logprobs.append(clamp(sampled.logprob) if sampled is not None else None)
         out.text_offset.append(offset)
@@ -66,26 +49,14 @@ def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]],
         top = {}
         for t, lp in sorted(entry.items(), key=lambda kv: kv[1].rank):
             if lp.rank <= top_n or t == tid:
-                top[_token_text(t, lp, decode)] = clamp(lp.logprob)
+                top[token_text(t, lp, decode)] = clamp(lp.logprob)
         out.top_logprobs.append(top)
     return out, offset
 
 
-def _token_text(tid: int, lp: Logprob | None, decode) -> str:
-    if lp is not None and lp.decoded_token is not None:
-        return lp.decoded_token
-    return decode([tid])
-
-
-class OpenAIServingCompletion:
-    def __init__(self, engine: AsyncLLM, model: ServedModel) -> None:
-        self.engine = engine
-        self.model = model
-
+class OpenAIServingCompletion(OpenAIServing):
     async def create(self, req: CompletionRequest, raw_request: Request) -> Response:
-        model_name = self.model.check(req.model)
-        self.model.log_ignored_fields(req)
-        reject_unsupported(req)
+        model_name = self.check_request(req)
         if req.suffix:
             raise APIError("suffix is not currently supported", 400, "suffix")
         if req.echo and req.logprobs is not None:
@@ -95,12 +66,12 @@ class OpenAIServingCompletion:
         request_id = random_id("cmpl")
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         stream = self._submit(ids, prompts, params, req.add_special_tokens)
-        ctx = _Ctx(request_id, model_name, int(time.time()), req, {rid: i for i, rid in enumerate(ids)})
-        if req.stream:
-            return SSEResponse(self._stream(ctx, stream))
-        return await with_cancellation(raw_request, self._collect(ctx, stream))
+        ctx = _CompletionContext(request_id, model_name, int(time.time()), req, req.logprobs, "text_completion",
+                                 prompt_index={rid: i for i, rid in enumerate(ids)})
+        return await self.respond(ctx, stream, raw_request)
 
     def _submit(self, ids: list[str], prompts: list, params, add_special_tokens: bool) -> RequestStream:
+        """All prompts into one stream; if one is rejected, those already added are aborted."""
         stream = None
         try:
             for rid, prompt in zip(ids, prompts, strict=True):
@@ -119,103 +90,44 @@ class OpenAIServingCompletion:
             raise APIError("prompt must not be empty", 400, "prompt")
         return list(self.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def _prompt_text(self, ro: RequestOutput) -> str:
-        return ro.prompt if ro.prompt is not None else self.engine.tokenizer.decode(ro.prompt_token_ids)
+    # -- hooks of OpenAIServing ----------------------------------------------------------------------
 
-    # -- non-streaming -----------------------------------------------------------------------------
+    def new_choice(self) -> _CompletionChoice:
+        return _CompletionChoice()
 
-    async def _collect(self, ctx: _Ctx, stream: RequestStream) -> JSONResponse:
-        n = ctx.req.n
-        choices: dict[int, _Choice] = {}
-        prompt_tokens: dict[int, int] = {}
-        async with contextlib.aclosing(self.engine.stream_outputs(stream)) as outputs:
-            async for ro in outputs:
-                p = ctx.prompt_index[ro.request_id]
-                prompt_tokens[p] = len(ro.prompt_token_ids)
-                for co in ro.outputs:
-                    check_finish(co.finish_reason, co.stop_reason)
-                    ch = choices.setdefault(p * n + co.index, _Choice())
-                    if ctx.req.echo and not ch.echoed:
-                        ch.text, ch.echoed = self._prompt_text(ro), True
-                    self._add_logprobs(ctx, ch, co, flush=True)
-                    ch.text += co.text
-                    ch.num_tokens += len(co.token_ids)
-                    ch.finish_reason, ch.stop_reason = co.finish_reason, co.stop_reason
-        resp = CompletionResponse(
-            id=ctx.request_id, created=ctx.created, model=ctx.model_name,
-            choices=[CompletionChoice(index=i, text=c.text, logprobs=c.logprobs, finish_reason=c.finish_reason,
-                                      stop_reason=c.stop_reason) for i, c in sorted(choices.items())],
-            usage=UsageInfo(**usage(sum(prompt_tokens.values()), sum(c.num_tokens for c in choices.values()))),
-        )
-        return JSONResponse(resp.model_dump(mode="json"))
+    def choice_index(self, ctx: _CompletionContext, ro: RequestOutput, co: CompletionOutput) -> int:
+        return ctx.prompt_index[ro.request_id] * ctx.req.n + co.index
 
-    def _add_logprobs(self, ctx: _Ctx, ch: _Choice, co: CompletionOutput, flush: bool) -> CompletionLogprobs | None:
-        """Queue this delta's logprobs; return those ready to send. flush (non-streaming): take all, keep them."""
-        if ctx.req.logprobs is None or co.logprobs is None:
-            return None
-        ch.pending_ids.extend(co.token_ids)
-        ch.pending_lps.extend(co.logprobs)
-        if not (flush or co.text or co.finish_reason is not None):
-            return None
-        lp, ch.text_offset = completion_logprobs(ch.pending_ids, ch.pending_lps, ctx.req.logprobs,
-                                                 ch.text_offset, self.engine.tokenizer.decode)
-        ch.pending_ids, ch.pending_lps = [], []
-        if flush:
-            if ch.logprobs is None:
-                ch.logprobs = CompletionLogprobs()
-            for name in ("text_offset", "token_logprobs", "tokens", "top_logprobs"):
-                getattr(ch.logprobs, name).extend(getattr(lp, name))
+    def delta_text(self, ctx: ResponseContext, ch: _CompletionChoice, ro: RequestOutput, co: CompletionOutput) -> str:
+        if ctx.req.echo and not ch.echoed:  # the prompt goes before the choice's first text
+            ch.echoed = True
+            prompt = ro.prompt if ro.prompt is not None else self.engine.tokenizer.decode(ro.prompt_token_ids)
+            return prompt + co.text
+        return co.text
+
+    def delta_body(self, text: str) -> dict:
+        return {"text": text}
+
+    def logprobs_of(self, ctx: ResponseContext, ch: _CompletionChoice, token_ids: list[int],
+                    entries: list[dict[int, Logprob]]) -> CompletionLogprobs:
+        lp, ch.text_offset = completion_logprobs(token_ids, entries, ctx.top_logprobs, ch.text_offset,
+                                                 self.engine.tokenizer.decode)
         return lp
 
-    # -- streaming ---------------------------------------------------------------------------------
+    def keep_logprobs(self, ch: _CompletionChoice, lp: CompletionLogprobs) -> None:
+        if ch.logprobs is None:
+            ch.logprobs = CompletionLogprobs()
+        for name in ("text_offset", "token_logprobs", "tokens", "top_logprobs"):
+            getattr(ch.logprobs, name).extend(getattr(lp, name))
 
-    async def _stream(self, ctx: _Ctx, stream: RequestStream) -> AsyncIterator[str]:
-        n = ctx.req.n
-        choices: dict[int, _Choice] = {}
-        prompt_tokens: dict[int, int] = {}
-        try:
-            async with contextlib.aclosing(self.engine.stream_outputs(stream)) as outputs:
-                async for ro in outputs:
-                    p = ctx.prompt_index[ro.request_id]
-                    prompt_tokens[p] = len(ro.prompt_token_ids)
-                    for co in ro.outputs:
-                        check_finish(co.finish_reason, co.stop_reason)
-                        index = p * n + co.index
-                        ch = choices.setdefault(index, _Choice())
-                        ch.num_tokens += len(co.token_ids)
-                        text = co.text
-                        if ctx.req.echo and not ch.echoed:
-                            text, ch.echoed = self._prompt_text(ro) + text, True
-                        lp = self._add_logprobs(ctx, ch, co, flush=False)
-                        if not text and co.finish_reason is None:
-                            continue  # no empty deltas
-                        yield sse(ctx.chunk([{
-                            "index": index, "text": text,
-                            "logprobs": None if lp is None else lp.model_dump(mode="json"),
-                            "finish_reason": co.finish_reason, "stop_reason": co.stop_reason,
-                        }]))
-            so = ctx.req.stream_options
-            if so is not None and so.include_usage:
-                yield sse(ctx.chunk([], usage(sum(prompt_tokens.values()), sum(c.num_tokens for c in choices.values()))))
-        except Exception as e:  # noqa: BLE001 - after the 200 header an error can only be an event
-            yield sse_error(e)
-        yield SSE_DONE
-
-
-@dataclass
-class _Ctx:
-    request_id: str
-    model_name: str
-    created: int
-    req: CompletionRequest
-    prompt_index: dict[str, int]
-
-    def chunk(self, choices: list[dict], usage_: dict | None = None) -> dict:
-        out = {"id": self.request_id, "object": "text_completion", "created": self.created,
-               "model": self.model_name, "choices": choices}
-        if usage_ is not None:
-            out["usage"] = usage_
-        return out
+    def response(self, ctx: ResponseContext, choices: list[tuple[int, _CompletionChoice]],
+                 usage_: dict) -> CompletionResponse:
+        return CompletionResponse(
+            id=ctx.request_id, created=ctx.created, model=ctx.model_name,
+            choices=[CompletionChoice(index=i, text=c.text, logprobs=c.logprobs, finish_reason=c.finish_reason,
+                                      stop_reason=c.stop_reason) for i, c in choices],
+            usage=UsageInfo(**usage_),
+        )
 
 
 def _prompt_list(req: CompletionRequest) -> list:

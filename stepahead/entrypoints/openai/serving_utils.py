@@ -16,6 +16,7 @@ from starlette.types import Receive, Scope, Send
 
 from stepahead.entrypoints.openai.errors import APIError, error_body, error_from_exception
 from stepahead.entrypoints.openai.protocol import SamplingFields
+from stepahead.outputs import Logprob
 from stepahead.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("stepahead.entrypoints.openai")
@@ -135,6 +136,13 @@ def check_finish(finish_reason: str | None, stop_reason: Any) -> None:
 
 def clamp(logprob: float) -> float:
     return max(logprob, LOGPROB_FLOOR)
+
+
+def token_text(token_id: int, lp: Logprob | None, decode) -> str:
+    """A token's text: the detokenizer's when it has one, else decoded alone."""
+    if lp is not None and lp.decoded_token is not None:
+        return lp.decoded_token
+    return decode([token_id])
 
 
 # -- server-sent events ---------------------------------------------------------------------------

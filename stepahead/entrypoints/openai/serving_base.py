@@ -1,0 +1,185 @@
+"""OpenAIServing: the request -> engine -> response flow that completions and chat share.
+
+A handler validates the request and submits it; this class then reads the engine's deltas and either
+assembles one JSON response or streams them as server-sent events. The endpoints differ only in how a
+choice is indexed, what text a delta carries, the logprobs format and the final response model:
+those are the hooks a subclass fills in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
+
+from stepahead.engine.async_llm import AsyncLLM, RequestStream
+from stepahead.entrypoints.openai.protocol import SamplingFields
+from stepahead.entrypoints.openai.serving_utils import (
+    SSE_DONE,
+    ServedModel,
+    SSEResponse,
+    check_finish,
+    reject_unsupported,
+    sse,
+    sse_error,
+    usage,
+    with_cancellation,
+)
+from stepahead.outputs import CompletionOutput, Logprob, RequestOutput
+
+
+@dataclass
+class Choice:
+    """One choice being assembled (non-streaming) or streamed."""
+
+    text: str = ""
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    # Tokens whose text has not been sent yet (an incomplete UTF-8 character): their logprobs wait.
+    pending_ids: list[int] = field(default_factory=list)
+    pending_lps: list[dict[int, Logprob]] = field(default_factory=list)
+
+
+@dataclass
+class ResponseContext:
+    """What every chunk and the response of one HTTP request carry."""
+
+    request_id: str
+    model_name: str
+    created: int
+    req: Any  # the endpoint's request model
+    top_logprobs: int | None  # None: no logprobs were asked for
+    chunk_object: str  # the "object" of a streamed chunk
+
+    def chunk(self, choices: list[dict], usage_: dict | None = None) -> str:
+        out = {"id": self.request_id, "object": self.chunk_object, "created": self.created,
+               "model": self.model_name, "choices": choices}
+        if usage_ is not None:
+            out["usage"] = usage_
+        return sse(out)
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLM, model: ServedModel) -> None:
+        self.engine = engine
+        self.model = model
+
+    def check_request(self, req: SamplingFields) -> str:
+        """The model name to answer with, after the checks every endpoint makes."""
+        model_name = self.model.check(req.model)
+        self.model.log_ignored_fields(req)
+        reject_unsupported(req)
+        return model_name
+
+    async def respond(self, ctx: ResponseContext, stream: RequestStream, raw_request: Request) -> Response:
+        if ctx.req.stream:
+            return SSEResponse(self._stream(ctx, stream))
+        return await with_cancellation(raw_request, self._collect(ctx, stream))
+
+    # -- hooks -------------------------------------------------------------------------------------
+
+    def new_choice(self) -> Choice:
+        return Choice()
+
+    def choice_index(self, ctx: ResponseContext, ro: RequestOutput, co: CompletionOutput) -> int:
+        return co.index
+
+    def delta_text(self, ctx: ResponseContext, ch: Choice, ro: RequestOutput, co: CompletionOutput) -> str:
+        """The text this delta adds to the choice."""
+        return co.text
+
+    def delta_body(self, text: str) -> dict:
+        """The endpoint's text field(s) of a streamed choice."""
+        raise NotImplementedError
+
+    def first_deltas(self, ctx: ResponseContext) -> list[dict]:
+        """Streamed choices sent before any output."""
+        return []
+
+    def logprobs_of(self, ctx: ResponseContext, ch: Choice, token_ids: list[int],
+                    entries: list[dict[int, Logprob]]) -> BaseModel:
+        raise NotImplementedError
+
+    def keep_logprobs(self, ch: Choice, lp: BaseModel) -> None:
+        """Non-streaming: add a delta's logprobs to the choice's."""
+        raise NotImplementedError
+
+    def response(self, ctx: ResponseContext, choices: list[tuple[int, Choice]], usage_: dict) -> BaseModel:
+        raise NotImplementedError
+
+    # -- the flow ----------------------------------------------------------------------------------
+
+    def _take_logprobs(self, ctx: ResponseContext, ch: Choice, co: CompletionOutput, flush: bool) -> BaseModel | None:
+        """Queue this delta's logprobs; return those of the tokens whose text is being sent."""
+        if ctx.top_logprobs is None or co.logprobs is None:
+            return None
+        ch.pending_ids.extend(co.token_ids)
+        ch.pending_lps.extend(co.logprobs)
+        if not (flush or co.text or co.finish_reason is not None):
+            return None
+        lp = self.logprobs_of(ctx, ch, ch.pending_ids, ch.pending_lps)
+        ch.pending_ids, ch.pending_lps = [], []
+        return lp
+
+    async def _deltas(self, stream: RequestStream,
+                      prompt_tokens: dict[str, int]) -> AsyncIterator[tuple[RequestOutput, CompletionOutput]]:
+        """Every choice delta of the stream; records each prompt's length; a failed choice raises."""
+        async with contextlib.aclosing(self.engine.stream_outputs(stream)) as outputs:
+            async for ro in outputs:
+                prompt_tokens[ro.request_id] = len(ro.prompt_token_ids)
+                for co in ro.outputs:
+                    check_finish(co.finish_reason, co.stop_reason)
+                    yield ro, co
+
+    async def _collect(self, ctx: ResponseContext, stream: RequestStream) -> JSONResponse:
+        choices: dict[int, Choice] = {}
+        prompt_tokens: dict[str, int] = {}
+        async with contextlib.aclosing(self._deltas(stream, prompt_tokens)) as deltas:
+            async for ro, co in deltas:
+                ch = choices.setdefault(self.choice_index(ctx, ro, co), self.new_choice())
+                text = self.delta_text(ctx, ch, ro, co)
+                lp = self._take_logprobs(ctx, ch, co, flush=True)
+                if lp is not None:
+                    self.keep_logprobs(ch, lp)
+                ch.text += text
+                ch.num_tokens += len(co.token_ids)
+                ch.finish_reason, ch.stop_reason = co.finish_reason, co.stop_reason
+        resp = self.response(ctx, sorted(choices.items()), _usage(prompt_tokens, choices))
+        return JSONResponse(resp.model_dump(mode="json"))
+
+    async def _stream(self, ctx: ResponseContext, stream: RequestStream) -> AsyncIterator[str]:
+        choices: dict[int, Choice] = {}
+        prompt_tokens: dict[str, int] = {}
+        try:
+            for delta in self.first_deltas(ctx):
+                yield ctx.chunk([delta])
+            async with contextlib.aclosing(self._deltas(stream, prompt_tokens)) as deltas:
+                async for ro, co in deltas:
+                    index = self.choice_index(ctx, ro, co)
+                    ch = choices.setdefault(index, self.new_choice())
+                    ch.num_tokens += len(co.token_ids)
+                    text = self.delta_text(ctx, ch, ro, co)
+                    lp = self._take_logprobs(ctx, ch, co, flush=False)
+                    if not text and co.finish_reason is None:
+                        continue  # no empty deltas
+                    yield ctx.chunk([{
+                        "index": index, **self.delta_body(text),
+                        "logprobs": None if lp is None else lp.model_dump(mode="json"),
+                        "finish_reason": co.finish_reason, "stop_reason": co.stop_reason,
+                    }])
+            so = ctx.req.stream_options
+            if so is not None and so.include_usage:
+                yield ctx.chunk([], _usage(prompt_tokens, choices))
+        except Exception as e:  # noqa: BLE001 - after the 200 header an error can only be an event
+            yield sse_error(e)
+        yield SSE_DONE
+
+
+def _usage(prompt_tokens: dict[str, int], choices: dict[int, Choice]) -> dict:
+    return usage(sum(prompt_tokens.values()), sum(c.num_tokens for c in choices.values()))
