@@ -1,7 +1,8 @@
 """The synchronous scheduler: schedule(), update_from_output(), preemption, stale output, frees.
 
 Follows engine-spec §2.1/§2.2 step by step. The async subclass changes only the two hooks
-_update_after_schedule and _update_request_with_output; everything else is shared.
+_update_after_schedule and _update_request_with_output; everything else is shared. What a step
+decided is gathered in a StepPlan and turned into the worker's SchedulerOutput by step_plan.py.
 """
 
 from __future__ import annotations
@@ -11,14 +12,8 @@ from typing import Any, Protocol
 
 from stepahead.config import CacheConfig, SchedulerConfig
 from stepahead.core.kv_cache import KVCacheManager
-from stepahead.core.sched_output import (
-    CachedRequestData,
-    EngineCoreOutput,
-    GrammarOutput,
-    ModelRunnerOutput,
-    NewRequestData,
-    SchedulerOutput,
-)
+from stepahead.core.sched_output import EngineCoreOutput, GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from stepahead.core.step_plan import StepPlan, make_scheduler_output
 from stepahead.core.stop import check_stop
 from stepahead.request import Request, RequestStatus
 
@@ -68,6 +63,13 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         """Validate first; on ValueError nothing has changed."""
+        self._check_admissible(request)
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def _check_admissible(self, request: Request) -> None:
+        """What the scheduler itself needs (the frontend's InputProcessor checks the prompt in full)."""
         n = request.num_prompt_tokens
         if n == 0:
             raise ValueError("prompt_token_ids must not be empty")
@@ -88,9 +90,6 @@ class Scheduler:
             raise ValueError(f"request_id {request.request_id!r} is already in use by an unfinished request")
         if request.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {request.max_tokens}")
-        request.status = RequestStatus.WAITING
-        self.requests[request.request_id] = request
-        self.waiting.append(request)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.skipped_waiting) + len(self.running)
@@ -108,21 +107,32 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         self.current_step += 1
-        budget = self.max_num_scheduled_tokens
+        plan = StepPlan.with_budget(self.max_num_scheduled_tokens)
+        self._schedule_running(plan)
+        if not plan.preempted:  # waiting requests never join a step that preempted
+            self._schedule_waiting(plan)
+        assert len(self.running) <= self.max_num_running_reqs
+        out = make_scheduler_output(plan, self.kv_cache_manager, self.prev_step_scheduled_req_ids,
+                                    self.finished_req_ids, self.reset_preempted_req_ids, self.current_step)
+        self.prev_step_scheduled_req_ids = set(plan.num_scheduled)
+        if self.defer_block_free and out.total_num_scheduled_tokens > 0:
+            self.sched_step_seq += 1
+        self._update_after_schedule(out)
+        if self.debug_invariants:
+            from stepahead.core.invariants import check_after_schedule
+
+            self._debug_in_flight.append(out)
+            check_after_schedule(self, out)
+        return out
+
+    def _schedule_running(self, plan: StepPlan) -> None:
+        """Running requests, in admission order; preempts from the back when blocks run out."""
         kv = self.kv_cache_manager
         max_model_len = self.max_model_len
         threshold = self.scheduler_config.long_prefill_token_threshold
-        num_scheduled: dict[str, int] = {}
-        new_blocks_of: dict[str, list[int] | None] = {}
-        scheduled_running: list[Request] = []
-        scheduled_new: list[Request] = []
-        scheduled_resumed: list[Request] = []
-        preempted: list[Request] = []
-
-        # A. Running requests, in admission order.
         running = self.running
         i = 0
-        while i < len(running) and budget > 0:
+        while i < len(running) and plan.token_budget > 0:
             req = running[i]
             ph = req.num_output_placeholders
             comp = req.num_computed_tokens
@@ -136,7 +146,7 @@ class Scheduler:
             num_new = req.num_tokens_with_spec + ph - comp
             if 0 < threshold < num_new:
                 num_new = threshold
-            num_new = min(num_new, budget, max_model_len - comp - 1)
+            num_new = min(num_new, plan.token_budget, max_model_len - comp - 1)
             if num_new <= 0:
                 i += 1
                 continue
@@ -147,112 +157,56 @@ class Scheduler:
                     break  # freeing it would free nothing now; preempting would cascade (P6)
                 running.pop()
                 self._preempt_request(victim, drop_stale_output=False)
-                preempted.append(victim)
+                plan.preempted.append(victim)
                 if victim is req:
                     break
                 new_blocks = kv.allocate_slots(req, num_new)
             if new_blocks is None:
-                break  # later running requests are not scheduled in this step
-            scheduled_running.append(req)
-            num_scheduled[req.request_id] = num_new
-            new_blocks_of[req.request_id] = [b.block_id for b in new_blocks] if new_blocks else None
-            budget -= num_new
+                return  # later running requests are not scheduled in this step
+            plan.running.append(req)
+            plan.schedule(req, num_new)
+            plan.new_blocks_of[req.request_id] = [b.block_id for b in new_blocks] if new_blocks else None
             req.spec_token_ids = []
             i += 1
 
-        # B. Waiting requests; never in a step that preempted, and they never preempt.
-        if not preempted:
-            step_skipped: list[Request] = []
-            chunked = self.scheduler_config.enable_chunked_prefill
-            while (self.skipped_waiting or self.waiting) and budget > 0:
-                if len(running) >= self.max_num_running_reqs:
-                    break
-                queue = self.skipped_waiting if self.skipped_waiting else self.waiting
-                req = queue[0]
-                if req.num_stale_output_tokens and not req.drop_stale_output:
-                    # Deliverable stale output still in flight: resuming now could resample a
-                    # position that output later delivers.
-                    queue.popleft()
-                    step_skipped.append(req)
-                    continue
-                hit_blocks, num_hit = kv.get_computed_blocks(req)
-                num_new = req.num_tokens - num_hit
-                if 0 < threshold < num_new:
-                    num_new = threshold
-                if not chunked and num_new > budget:
-                    break
-                num_new = min(num_new, budget)
-                new_blocks = kv.allocate_slots(req, num_new, num_hit, hit_blocks)
-                if new_blocks is None:
-                    break  # head-of-line blocking
+    def _schedule_waiting(self, plan: StepPlan) -> None:
+        """Skipped (stale-gated) then waiting requests, in order, while blocks and seats last; never preempts."""
+        kv = self.kv_cache_manager
+        threshold = self.scheduler_config.long_prefill_token_threshold
+        chunked = self.scheduler_config.enable_chunked_prefill
+        step_skipped: list[Request] = []
+        while (self.skipped_waiting or self.waiting) and plan.token_budget > 0:
+            if len(self.running) >= self.max_num_running_reqs:
+                break
+            queue = self.skipped_waiting if self.skipped_waiting else self.waiting
+            req = queue[0]
+            if req.num_stale_output_tokens and not req.drop_stale_output:
+                # Deliverable stale output still in flight: resuming now could resample a
+                # position that output later delivers.
                 queue.popleft()
-                running.append(req)
-                if req.status == RequestStatus.WAITING:
-                    scheduled_new.append(req)
-                else:
-                    scheduled_resumed.append(req)
-                req.status = RequestStatus.RUNNING
-                req.num_computed_tokens = num_hit
-                if req.num_cached_tokens < 0:
-                    req.num_cached_tokens = num_hit
-                kv.record_prefix_lookup(req.num_tokens, num_hit)
-                num_scheduled[req.request_id] = num_new
-                budget -= num_new
-            if step_skipped:
-                self.skipped_waiting.extendleft(reversed(step_skipped))
-
-        total = self.max_num_scheduled_tokens - budget
-        assert len(running) <= self.max_num_running_reqs
-
-        # C. Assemble; CachedRequestData carries the pre-increment comp and nout + ph.
-        new_reqs_data = [
-            NewRequestData(r.request_id, r.prompt_token_ids, r.sampling_params,
-                           kv.get_block_ids(r.request_id), r.num_computed_tokens)
-            for r in scheduled_new
-        ]
-        cached = self._make_cached_request_data(scheduled_running, scheduled_resumed, new_blocks_of)
-        self.prev_step_scheduled_req_ids = set(num_scheduled)
-        out = SchedulerOutput(
-            scheduled_new_reqs=new_reqs_data,
-            scheduled_cached_reqs=cached,
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=total,
-            finished_req_ids=self.finished_req_ids,
-            preempted_req_ids=self.reset_preempted_req_ids,
-            step_id=self.current_step,
-        )
-        if self.defer_block_free and total > 0:
-            self.sched_step_seq += 1
-        self._update_after_schedule(out)
-        if self.debug_invariants:
-            from stepahead.core.invariants import check_after_schedule
-
-            self._debug_in_flight.append(out)
-            check_after_schedule(self, out)
-        return out
-
-    def _make_cached_request_data(
-        self, running: list[Request], resumed: list[Request], new_blocks_of: dict[str, list[int] | None]
-    ) -> CachedRequestData:
-        data = CachedRequestData()
-        prev = self.prev_step_scheduled_req_ids
-        for req in running:
-            rid = req.request_id
-            data.req_ids.append(rid)
-            if rid not in prev:  # the worker may have dropped it from its batch
-                data.all_token_ids[rid] = list(req.all_token_ids)
-            data.new_block_ids.append(new_blocks_of[rid])
-            data.num_computed_tokens.append(req.num_computed_tokens)
-            data.num_output_tokens.append(req.num_output_tokens + req.num_output_placeholders)
-        for req in resumed:
-            rid = req.request_id
-            data.req_ids.append(rid)
-            data.resumed_req_ids.add(rid)
-            data.all_token_ids[rid] = list(req.all_token_ids)
-            data.new_block_ids.append(self.kv_cache_manager.get_block_ids(rid))  # replaces the table
-            data.num_computed_tokens.append(req.num_computed_tokens)
-            data.num_output_tokens.append(req.num_output_tokens + req.num_output_placeholders)
-        return data
+                step_skipped.append(req)
+                continue
+            hit_blocks, num_hit = kv.get_computed_blocks(req)
+            num_new = req.num_tokens - num_hit
+            if 0 < threshold < num_new:
+                num_new = threshold
+            if not chunked and num_new > plan.token_budget:
+                break
+            num_new = min(num_new, plan.token_budget)
+            new_blocks = kv.allocate_slots(req, num_new, num_hit, hit_blocks)
+            if new_blocks is None:
+                break  # head-of-line blocking
+            queue.popleft()
+            self.running.append(req)
+            (plan.new if req.status == RequestStatus.WAITING else plan.resumed).append(req)
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_hit
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            kv.record_prefix_lookup(req.num_tokens, num_hit)
+            plan.schedule(req, num_new)
+        if step_skipped:
+            self.skipped_waiting.extendleft(reversed(step_skipped))
 
     def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
         requests = self.requests
@@ -289,18 +243,11 @@ class Scheduler:
         index = {rid: i for i, rid in enumerate(model_runner_output.req_ids)}
         sampled = model_runner_output.sampled_token_ids
         logprobs = model_runner_output.logprobs
-        finished_in_flight = self._finished_in_flight
         stopped_running: list[Request] = []
         stopped_preempted: list[Request] = []
         so_manager = self.structured_output_manager
         for rid, n in scheduler_output.num_scheduled_tokens.items():
-            left = finished_in_flight.get(rid)
-            if left is not None:  # a step computed for a request that had already finished
-                self.num_wasted_request_steps += 1
-                if left <= n:
-                    del finished_in_flight[rid]
-                else:
-                    finished_in_flight[rid] = left - n
+            if self._discard_finished_in_flight(rid, n):
                 continue
             req = self.requests.get(rid)
             if req is None:
@@ -346,6 +293,18 @@ class Scheduler:
 
             check_scheduler(self, list(self._debug_in_flight))
         return outputs
+
+    def _discard_finished_in_flight(self, rid: str, num_tokens: int) -> bool:
+        """True for a step computed for a request that had already finished: its output is wasted."""
+        left = self._finished_in_flight.get(rid)
+        if left is None:
+            return False
+        self.num_wasted_request_steps += 1
+        if left <= num_tokens:
+            del self._finished_in_flight[rid]
+        else:
+            self._finished_in_flight[rid] = left - num_tokens
+        return True
 
     def _update_request_with_output(
         self, request: Request, new_token_ids: list[int], is_stale: bool = False
@@ -444,9 +403,8 @@ class Scheduler:
     def get_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarOutput | None:
         if not scheduler_output.has_structured_output_requests or self.structured_output_manager is None:
             return None
-        reqs = [self.requests[rid] for rid in scheduler_output.num_scheduled_tokens
-                if rid in self.requests and self.requests[rid].use_structured_output
-                and not self.requests[rid].is_prefill_chunk]
+        reqs = [r for rid in scheduler_output.num_scheduled_tokens
+                if (r := self.requests.get(rid)) is not None and r.use_structured_output and not r.is_prefill_chunk]
         if not reqs:
             return None
         return GrammarOutput([r.request_id for r in reqs], self.structured_output_manager.grammar_bitmask(reqs))
