@@ -14,25 +14,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stepahead.bench.datasets import SampleRequest
+from stepahead.bench.report import TokenRates
 
 BUILTIN_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @dataclass
-class BaselineResult:
+class BaselineResult(TokenRates):
     name: str
     elapsed_s: float
     num_requests: int
     prompt_tokens: int
     output_tokens: int  # tokens the requests asked for and got
 
-    @property
-    def output_tok_s(self) -> float:
-        return self.output_tokens / self.elapsed_s
-
-    @property
-    def total_tok_s(self) -> float:
-        return (self.prompt_tokens + self.output_tokens) / self.elapsed_s
+    def line(self) -> str:
+        return (f"[{self.name}] {self.num_requests} requests, {self.output_tokens} output tokens in "
+                f"{self.elapsed_s:.2f} s: output {self.output_tok_s:.1f} tok/s, total {self.total_tok_s:.1f} tok/s")
 
     def to_dict(self) -> dict:
         return {"name": self.name, "elapsed_s": self.elapsed_s, "num_requests": self.num_requests,

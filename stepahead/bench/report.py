@@ -14,6 +14,22 @@ from pathlib import Path
 import numpy as np
 
 
+class TokenRates:
+    """Token throughput of a timed run; mixed into result dataclasses with these three fields."""
+
+    elapsed_s: float
+    prompt_tokens: int
+    output_tokens: int
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.output_tokens / self.elapsed_s
+
+    @property
+    def total_tok_s(self) -> float:
+        return (self.prompt_tokens + self.output_tokens) / self.elapsed_s
+
+
 def machine_info() -> dict:
     info = {"platform": platform.platform(), "python": platform.python_version(), "cpu_count": os.cpu_count(),
             "processor": _cpu_model()}

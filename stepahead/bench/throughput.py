@@ -19,14 +19,21 @@ import time
 from dataclasses import dataclass, field
 
 from stepahead.bench.datasets import SampleRequest, load_jsonl_requests, random_token_requests
-from stepahead.bench.report import command_line, engine_args_dict, machine_info, now_utc, write_json
+from stepahead.bench.report import (
+    TokenRates,
+    command_line,
+    engine_args_dict,
+    machine_info,
+    now_utc,
+    write_json,
+)
 from stepahead.bench.trace import Span, to_spans
 from stepahead.config import EngineArgs
 from stepahead.outputs import EngineStats
 
 
 @dataclass
-class RunResult:
+class RunResult(TokenRates):
     label: str
     elapsed_s: float
     num_requests: int
@@ -40,14 +47,6 @@ class RunResult:
     stop_finishes: int  # requests finished by EOS or a stop token
     round: int = 0
     spans: list[Span] = field(default_factory=list, repr=False)
-
-    @property
-    def output_tok_s(self) -> float:
-        return self.output_tokens / self.elapsed_s
-
-    @property
-    def total_tok_s(self) -> float:
-        return (self.prompt_tokens + self.output_tokens) / self.elapsed_s
 
     @property
     def utilization(self) -> float:
@@ -237,8 +236,7 @@ def run_compare_transformers(ns, engine_args: EngineArgs, tracing: bool) -> dict
     batch = ns.hf_batch_size or min(engine_args.max_num_seqs, len(requests))
     baselines = [run_generate(hf, requests, batch), run_generate_batch(hf, requests, step_tokens)]
     for b in baselines:
-        print(f"[{b.name}] {b.num_requests} requests, {b.output_tokens} output tokens in {b.elapsed_s:.2f} s: "
-              f"output {b.output_tok_s:.1f} tok/s, total {b.total_tok_s:.1f} tok/s")
+        print(b.line())
     summary = {"stepahead": ours.to_dict(), "transformers": [b.to_dict() for b in baselines],
                "ratios": {b.name: ours.output_tok_s / b.output_tok_s for b in baselines}}
     for name, r in summary["ratios"].items():
