@@ -9,14 +9,9 @@ import pytest
 
 from stepahead import LLM, SamplingParams
 
+MAX_MODEL_LEN = 64  # of the module's `llm` (tests/engine/conftest.py)
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 GOOD = {"prompt_token_ids": [11, 12, 13, 14]}
-
-
-@pytest.fixture(scope="module")
-def llm(tiny_llama):
-    with LLM(str(tiny_llama), executor="uni", max_model_len=64) as llm:
-        yield llm
 
 
 @pytest.fixture(scope="module")

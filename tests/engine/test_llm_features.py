@@ -4,16 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from stepahead import LLM, SamplingParams
+from stepahead import SamplingParams
 
+MAX_MODEL_LEN = 256  # of the module's `llm` (tests/engine/conftest.py)
 PROMPT = "def main(argv):\n    parser = "
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def llm(tiny_llama):
-    with LLM(str(tiny_llama), executor="uni", max_model_len=256) as llm:
-        yield llm
 
 
 @pytest.fixture(scope="module")
