@@ -9,22 +9,24 @@ from stepahead.core.sched_output import ModelRunnerOutput
 
 
 def default_worker_threads(device: str, in_engine_process: bool) -> int:
-    """Torch threads for the worker; a per-machine choice (reference/environment.md), measured here.
+    """Torch threads for the worker: every core but one, which is left to the engine's bookkeeping.
 
-    2-core build machine, benchmarks/offline_throughput.py, configurations taking turns:
-    - mp, built-in model, 32 requests: 2 threads beat 1 by 21% (median of 3 rounds: 171 vs 208 ms
-      per step, async); the engine process needs little CPU next to a 100+ ms forward pass.
-    - uni (the worker is a thread of the engine process), tiny model: 1 thread beat 2 (3.8 vs 5.8 ms
-      per step), and under heavy load from other processes 2 threads collapsed (50x slower): the
-      forward's OpenMP team and the engine thread fight over the cores and the GIL. So uni leaves a
-      core to the engine.
-    A run of mp with 2 threads under heavy outside load took 3.5x longer per step than 1 thread had
-    minutes before: on a busy machine pass num_threads=1.
+    A per-machine choice (reference/environment.md), measured on the 2-core build machine with
+    nothing else running (`stepahead bench throughput --num-threads N`, runs taking turns):
+    - mp, built-in model, 64 requests (input 32-64, output 16-24): 1 thread 16.7 s and 14.7 s,
+      2 threads 69.6 s and 34.8 s. The tiny model of docs/BENCHMARKS.md section 2: 2.5 s vs 38 s.
+      The OpenMP team's second thread shares its core with the engine process, and every parallel
+      region waits for it.
+    - uni (the worker is a thread of the engine process), tiny model: 3.8 vs 5.8 ms per step, and
+      50x slower under outside load: the team and the engine thread also fight over the GIL.
+    An earlier run on a busy machine had 2 mp threads 21% ahead on the built-in model (32 requests);
+    the quiet-machine runs above reverse that by 2-15x, so both executors leave a core free.
+    `in_engine_process` is kept for callers; the answer is the same for both.
     """
     if device != "cpu":
         return 1
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores - 1) if in_engine_process else cores
+    return max(1, cores - 1)
 
 
 class StepTimer:
