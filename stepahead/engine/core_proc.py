@@ -24,16 +24,7 @@ import traceback
 import zmq
 
 from stepahead.config import EngineConfig
-from stepahead.engine.messages import (
-    AbortRequests,
-    AddRequests,
-    Codec,
-    EngineFailed,
-    EngineOutputs,
-    EngineReady,
-    GetStats,
-    Shutdown,
-)
+from stepahead.engine import messages
 
 logger = logging.getLogger("stepahead.engine.core_proc")
 
@@ -49,17 +40,26 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, par
     out_sock = ctx.socket(zmq.PUSH)
     out_sock.setsockopt(zmq.LINGER, 5000)
     out_sock.connect(output_addr)
-    codec = Codec()
     try:
-        code = _serve(config, ctx, input_addr, out_sock, codec, trace_path)
+        code = _serve(config, ctx, input_addr, _Outbox(out_sock), trace_path)
     finally:
         out_sock.close()
         ctx.term()
     sys.exit(code)
 
 
-def _serve(config: EngineConfig, ctx: zmq.Context, input_addr: str, out_sock: zmq.Socket, codec: Codec,
-           trace_path: str | None) -> int:
+class _Outbox:
+    """The socket to the API process with the encoder of this process (the main thread's only)."""
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        self._sock = sock
+        self._codec = messages.Codec()
+
+    def send(self, msg: messages.EngineOutput) -> None:
+        self._sock.send(self._codec.encode(msg))
+
+
+def _serve(config: EngineConfig, ctx: zmq.Context, input_addr: str, outbox: _Outbox, trace_path: str | None) -> int:
     from stepahead.engine.core import EngineCore
     from stepahead.executor import make_executor
 
@@ -71,19 +71,19 @@ def _serve(config: EngineConfig, ctx: zmq.Context, input_addr: str, out_sock: zm
             executor.shutdown()
             raise
     except BaseException as e:  # noqa: BLE001 - reported to the API process, which exits with it
-        out_sock.send(codec.encode(EngineFailed(_describe(e), during_startup=True)))
+        outbox.send(messages.EngineFailed(_describe(e), during_startup=True))
         return EXIT_ENGINE_FAILED
     in_sock = ctx.socket(zmq.PULL)
     in_sock.setsockopt(zmq.LINGER, 0)
     in_sock.bind(input_addr)  # before "ready"; the reader thread owns the socket from here on
     inbox: queue.Queue = queue.Queue()
-    reader = threading.Thread(target=_read_inputs, args=(in_sock, codec, inbox),
+    reader = threading.Thread(target=_read_inputs, args=(in_sock, inbox),
                               name="stepahead-engine-input", daemon=True)
     reader.start()
-    out_sock.send(codec.encode(EngineReady(os.getpid(), getattr(executor, "worker_pid", None), core.get_stats())))
+    outbox.send(messages.EngineReady(os.getpid(), getattr(executor, "worker_pid", None), core.get_stats()))
     trace_events: list[dict] | None = [] if trace_path else None
     try:
-        _busy_loop(core, inbox, out_sock, codec, trace_events)
+        _busy_loop(core, inbox, outbox, trace_events)
     except SystemExit:
         pass  # SIGTERM: shut down below
     except BaseException as e:  # noqa: BLE001 - engine death: tell the API process, then exit
@@ -92,28 +92,27 @@ def _serve(config: EngineConfig, ctx: zmq.Context, input_addr: str, out_sock: zm
             # EngineDeadError carries one "error" output per unfinished request: deliver them first.
             error_outputs = getattr(e, "outputs", None)
             if error_outputs:
-                out_sock.send(codec.encode(EngineOutputs(error_outputs)))
-            out_sock.send(codec.encode(EngineFailed(str(e) or repr(e))))
+                outbox.send(messages.EngineOutputs(error_outputs))
+            outbox.send(messages.EngineFailed(str(e) or repr(e)))
         _shutdown_core(core, trace_path, trace_events)
         return EXIT_ENGINE_FAILED
     _shutdown_core(core, trace_path, trace_events)
     return 0
 
 
-def _busy_loop(core, inbox: queue.Queue, out_sock: zmq.Socket, codec: Codec,
-               trace_events: list[dict] | None) -> None:
+def _busy_loop(core, inbox: queue.Queue, outbox: _Outbox, trace_events: list[dict] | None) -> None:
     while True:
         if not core.has_work():
             # Going idle: the last snapshot must show the engine empty (0 running, blocks freed).
-            out_sock.send(codec.encode(EngineOutputs([], core.get_stats())))
-            if not _apply(core, inbox.get(), out_sock, codec):
+            outbox.send(messages.EngineOutputs([], core.get_stats()))
+            if not _apply(core, inbox.get(), outbox):
                 return
         while True:
             try:
                 msg = inbox.get_nowait()
             except queue.Empty:
                 break
-            if not _apply(core, msg, out_sock, codec):
+            if not _apply(core, msg, outbox):
                 return
         if not core.has_work():
             continue
@@ -121,12 +120,12 @@ def _busy_loop(core, inbox: queue.Queue, out_sock: zmq.Socket, codec: Codec,
         if trace_events is not None:
             trace_events.extend(core.drain_trace_events())
         if outputs:
-            out_sock.send(codec.encode(EngineOutputs(outputs, core.get_stats())))
+            outbox.send(messages.EngineOutputs(outputs, core.get_stats()))
 
 
-def _apply(core, msg, out_sock: zmq.Socket, codec: Codec) -> bool:
+def _apply(core, msg: messages.EngineInput, outbox: _Outbox) -> bool:
     """Apply one input message; False means shut down."""
-    if isinstance(msg, AddRequests):
+    if isinstance(msg, messages.AddRequests):
         rejected = []
         for er in msg.requests:
             try:
@@ -136,12 +135,12 @@ def _apply(core, msg, out_sock: zmq.Socket, codec: Codec) -> bool:
                 logger.warning("EngineCore rejected request %s: %s", er.request_id, e)
                 rejected.append(_error_output(er.request_id, str(e)))
         if rejected:
-            out_sock.send(codec.encode(EngineOutputs(rejected)))
-    elif isinstance(msg, AbortRequests):
+            outbox.send(messages.EngineOutputs(rejected))
+    elif isinstance(msg, messages.AbortRequests):
         core.abort_requests(msg.request_ids)
-    elif isinstance(msg, GetStats):
-        out_sock.send(codec.encode(EngineOutputs([], core.get_stats())))
-    elif isinstance(msg, Shutdown):
+    elif isinstance(msg, messages.GetStats):
+        outbox.send(messages.EngineOutputs([], core.get_stats()))
+    elif isinstance(msg, messages.Shutdown):
         return False
     return True
 
@@ -152,7 +151,8 @@ def _error_output(request_id: str, message: str):
     return EngineCoreOutput(request_id, [], finish_reason="error", stop_reason=message)
 
 
-def _read_inputs(sock: zmq.Socket, codec: Codec, inbox: queue.Queue) -> None:
+def _read_inputs(sock: zmq.Socket, inbox: queue.Queue) -> None:
+    codec = messages.Codec()  # this thread's own decoder
     try:
         while True:
             try:
