@@ -10,6 +10,14 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_KV_CACHE_BYTES_CPU = 2 << 30
 
+# Allowed values of EngineArgs' string fields (the CLI offers the same as choices).
+CHOICES = {
+    "dtype": ("auto", "float32", "bfloat16", "float16"),
+    "executor": ("mp", "uni"),
+    "load_format": ("auto", "safetensors", "gguf", "dummy"),
+    "device": ("auto", "cpu", "cuda"),
+}
+
 
 @dataclass
 class ModelConfig:
@@ -111,12 +119,9 @@ class EngineArgs:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        _check(self.executor in ("mp", "uni"), "executor", self.executor, "must be 'mp' or 'uni'")
-        _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", self.dtype,
-               "must be one of auto, float32, bfloat16, float16")
-        _check(self.load_format in ("auto", "safetensors", "gguf", "dummy"), "load_format", self.load_format,
-               "must be one of auto, safetensors, gguf, dummy")
-        _check(self.device in ("auto", "cpu", "cuda"), "device", self.device, "must be one of auto, cpu, cuda")
+        for name, allowed in CHOICES.items():
+            value = getattr(self, name)
+            _check(value in allowed, name, value, f"must be one of {', '.join(allowed)}")
         _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size", self.block_size,
                "must be a power of two in [1, 128]")
         _check(self.max_concurrent_batches is None or self.max_concurrent_batches >= 1,
@@ -148,13 +153,13 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
             debug_invariants=self.debug_invariants,
         )
+        blocks_per_seq = -(-max_model_len // self.block_size)
         num_blocks = self.num_kv_blocks
         if num_blocks is None:
             budget = self.kv_cache_memory_bytes or _default_kv_budget(device)
             num_blocks = budget // (self.block_size * model_config.kv_bytes_per_token())
             # No need for more than every sequence at full length.
-            num_blocks = min(num_blocks, self.max_num_seqs * -(-max_model_len // self.block_size) + 1)
-        blocks_per_seq = -(-max_model_len // self.block_size)
+            num_blocks = min(num_blocks, self.max_num_seqs * blocks_per_seq + 1)
         _check(num_blocks - 1 >= blocks_per_seq, "num_kv_blocks", num_blocks,
                f"must hold one max_model_len ({max_model_len}) sequence: at least {blocks_per_seq + 1} "
                f"blocks of {self.block_size} tokens (block 0 is reserved); lower max_model_len or raise the pool")

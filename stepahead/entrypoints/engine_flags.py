@@ -12,7 +12,7 @@ from collections.abc import Collection
 from dataclasses import MISSING, fields
 from typing import Any
 
-from stepahead.config import EngineArgs
+from stepahead.config import CHOICES, EngineArgs
 
 _HELP = {
     "dtype": "weights and activations dtype ('auto': chosen from the checkpoint and the device)",
@@ -36,12 +36,6 @@ _HELP = {
     "debug_invariants": "check scheduler invariants after every step (slow)",
     "defer_block_free": "park freed KV blocks until every in-flight step is processed",
     "trace": "record a timeline trace of engine and worker events",
-}
-_CHOICES = {
-    "dtype": ["auto", "float32", "bfloat16", "float16"],
-    "executor": ["mp", "uni"],
-    "load_format": ["auto", "safetensors", "gguf", "dummy"],
-    "device": ["auto", "cpu", "cuda"],
 }
 _SKIP = {"model", "extra"}
 
@@ -74,8 +68,8 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Tr
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
             kwargs["type"] = kind if kind in (int, float) else str
-            if f.name in _CHOICES:
-                kwargs["choices"] = _CHOICES[f.name]
+            if f.name in CHOICES:
+                kwargs["choices"] = CHOICES[f.name]
         if default is not None:
             kwargs["help"] += " (default: %(default)s)"
         group.add_argument(flag_name(f.name), **kwargs)
