@@ -58,9 +58,7 @@ class IncrementalDetokenizer:
         if not token_ids:
             return ""
         self._ids.extend(token_ids)
-        decode = self._decode
-        prefix_text = decode(self._ids[self._prefix_offset:self._read_offset], skip_special_tokens=self._skip)
-        full_text = decode(self._ids[self._prefix_offset:], skip_special_tokens=self._skip)
+        prefix_text, full_text = self._decode_window()
         if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
             return ""
         # Keep the window short: it restarts at the tokens just emitted.
@@ -70,11 +68,15 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """At the end of the output: text still held back (an incomplete character decodes as U+FFFD)."""
-        decode = self._decode
-        prefix_text = decode(self._ids[self._prefix_offset:self._read_offset], skip_special_tokens=self._skip)
-        full_text = decode(self._ids[self._prefix_offset:], skip_special_tokens=self._skip)
+        prefix_text, full_text = self._decode_window()
         self._prefix_offset = self._read_offset = len(self._ids)
         return full_text[len(prefix_text):]
+
+    def _decode_window(self) -> tuple[str, str]:
+        """The window's text without and with the tokens not emitted yet."""
+        ids, start = self._ids, self._prefix_offset
+        return (self._decode(ids[start:self._read_offset], skip_special_tokens=self._skip),
+                self._decode(ids[start:], skip_special_tokens=self._skip))
 
 
 @dataclass
@@ -153,9 +155,6 @@ class OutputProcessor:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents)
-
-    def get_num_unfinished_requests(self) -> int:
-        return len(self._parents)
 
     def abort_request(self, request_id: str) -> list[str]:
         parent = self._parents.pop(request_id, None)
