@@ -2,7 +2,7 @@
 
 On CPU only a separate process truly overlaps the engine's Python bookkeeping with the forward pass
 (reference/environment.md). Calls go down one pipe in order; a reader thread takes the results off
-the other pipe and resolves the oldest pending future with each. The reader also watches the process
+the other pipe and resolves the oldest pending futures with them. The reader also watches the process
 sentinel, so a worker that dies resolves every pending future with an error instead of a hang.
 """
 
@@ -129,11 +129,11 @@ class MultiprocExecutor(Executor):
                     kind, payload = self._results.recv()
                 except (EOFError, OSError):
                     kind, payload = "died", None
-                if kind == "ok":
+                if kind == "ok":  # the outputs of the oldest len(payload) calls
                     with self._lock:
-                        fut = self._pending.popleft() if self._pending else None
-                    if fut is not None:
-                        fut.set_result(payload)
+                        futs = [self._pending.popleft() for _ in range(min(len(payload), len(self._pending)))]
+                    for fut, out in zip(futs, payload, strict=False):
+                        fut.set_result(out)
                     continue
                 if kind == "error":
                     self._set_dead(RuntimeError(f"stepahead worker process failed: {payload}"))

@@ -1,9 +1,15 @@
 """The worker process of MultiprocExecutor: a ModelRunner serving calls from a pipe, in order.
 
 Protocol (pickled tuples). In: ("execute_model", SchedulerOutput), ("sample_tokens", GrammarOutput),
-("shutdown", None). Out: ("ready", None) once the model is loaded, then one ("ok", output) per call,
-in call order; ("error", traceback text) on a failure, after which the process exits. A closed
-input pipe (the engine process is gone) also ends the process, so a worker never outlives its engine.
+("shutdown", None). Out: ("ready", None) once the model is loaded, then ("ok", [output, ...]): the
+outputs of one or more calls, in call order; ("error", traceback text) on a failure, after which the
+process exits. A closed input pipe (the engine process is gone) also ends the process, so a worker
+never outlives its engine.
+
+Every message wakes the engine process, and on a machine with few cores that wake-up preempts this
+process. So an output nobody waits for yet (execute_model's None, when the step's sample_tokens call
+is already queued) is held back and sent with the step's result: one message per step. Held outputs
+are always sent before the worker blocks for the next call, so the engine never waits on one forever.
 """
 
 from __future__ import annotations
@@ -36,7 +42,11 @@ def worker_main(config: EngineConfig, num_threads: int, calls: Connection, resul
     results.send(("ready", None))
     timer = StepTimer()
     handlers = {"execute_model": runner.execute_model, "sample_tokens": runner.sample_tokens}
+    held: list = []  # outputs not sent yet, in call order
     while True:
+        if held and not calls.poll():  # about to block: the engine may be waiting on these
+            results.send(("ok", held))
+            held = []
         try:
             method, arg = calls.recv()
         except (EOFError, OSError):
@@ -49,4 +59,7 @@ def worker_main(config: EngineConfig, num_threads: int, calls: Connection, resul
         except BaseException:  # noqa: BLE001 - the state is unknown after a failure: report and exit
             results.send(("error", f"{method} raised:\n{traceback.format_exc()}"))
             raise SystemExit(EXIT_ON_ERROR) from None
-        results.send(("ok", out))
+        held.append(out)
+        if out is not None:  # a step's result: the engine needs it to schedule the step after next
+            results.send(("ok", held))
+            held = []

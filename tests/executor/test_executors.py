@@ -89,6 +89,28 @@ def test_pipelined_calls_resolve_in_order(tiny_llama, reference_tokens, kind):
         executor.shutdown()
 
 
+def test_held_back_output_is_sent_when_the_worker_would_block(tiny_llama):
+    """The mp worker holds execute_model's None back while sample_tokens is queued; the synchronous
+    pattern waits on execute_model before sending sample_tokens, so the worker must send it anyway."""
+    config = _config(tiny_llama, "mp")
+    executor = MultiprocExecutor(config)
+    try:
+        sched = AsyncScheduler(config.scheduler_config, config.cache_config)
+        sched.add_request(Request("r", [5, 6, 7], SamplingParams(max_tokens=3), eos_token_id=None))
+        for _ in range(2):  # the synchronous pattern; then both calls queued together
+            so = sched.schedule()
+            assert executor.execute_model(so).result(timeout=60) is None
+            out = executor.sample_tokens(None).result(timeout=60)
+            assert out.req_ids == ["r"] and len(out.sampled_token_ids[0]) == 1
+            sched.update_from_output(so, out)
+        so = sched.schedule()
+        exec_fut, fut = executor.execute_model(so), executor.sample_tokens(None)
+        assert fut.result(timeout=60).req_ids == ["r"]
+        assert exec_fut.done() and exec_fut.result() is None
+    finally:
+        executor.shutdown()
+
+
 @pytest.mark.parametrize("kind", ["uni", "mp"])
 def test_worker_error_fails_pending_and_later_calls(tiny_llama, kind):
     executor = make_executor(_config(tiny_llama, kind))
