@@ -193,14 +193,15 @@ def non_default_args(ns: argparse.Namespace, defaults: argparse.Namespace) -> di
     return out
 
 
-async def run_server(ns: argparse.Namespace, defaults: argparse.Namespace) -> int:
+async def run_server(ns: argparse.Namespace) -> int:
     from stepahead.entrypoints.engine_flags import engine_args_from_namespace
+    from stepahead.entrypoints.openai.serve_cli import make_parser
 
     api_key = resolve_api_key(ns, os.environ)
     sock = bind_socket(ns.host, ns.port)
     host, port = sock.getsockname()[:2]
     logger.info("stepahead %s: serving on http://%s:%d (the model loads next)", stepahead_version(), host, port)
-    logger.info("Non-default args: %s", non_default_args(ns, defaults))
+    logger.info("Non-default args: %s", non_default_args(ns, make_parser().parse_args([])))
     try:
         engine_args = engine_args_from_namespace(ns)
         if ns.trace_file:
@@ -255,16 +256,15 @@ def configure_logging() -> None:
                         datefmt="%m-%d %H:%M:%S")
 
 
-def run(ns: argparse.Namespace, defaults: argparse.Namespace) -> int:
+def run(ns: argparse.Namespace) -> int:
     configure_logging()
-    return asyncio.run(run_server(ns, defaults))
+    return asyncio.run(run_server(ns))
 
 
 def main(argv: list[str] | None = None) -> int:
     from stepahead.entrypoints.openai.serve_cli import make_parser
 
-    parser = make_parser()
-    return run(parser.parse_args(argv), parser.parse_args([]))
+    return run(make_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

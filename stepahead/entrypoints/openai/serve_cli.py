@@ -42,4 +42,4 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def _run(ns: argparse.Namespace) -> int:
     from stepahead.entrypoints.openai.api_server import run
 
-    return run(ns, make_parser().parse_args([]))
+    return run(ns)
