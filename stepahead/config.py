@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field, fields
 
+from stepahead.validation import check_field
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
@@ -53,11 +55,11 @@ class SchedulerConfig:
     debug_invariants: bool = False  # check engine-spec §2.3 invariants after every schedule/update
 
     def __post_init__(self) -> None:
-        _check(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "must be >= 1")
-        _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", self.max_num_batched_tokens, "must be >= 1")
-        _check(self.max_model_len >= 2, "max_model_len", self.max_model_len, "must be >= 2")
+        check_field(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "must be >= 1")
+        check_field(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", self.max_num_batched_tokens, "must be >= 1")
+        check_field(self.max_model_len >= 2, "max_model_len", self.max_model_len, "must be >= 2")
         if not self.enable_chunked_prefill:
-            _check(
+            check_field(
                 self.max_num_batched_tokens >= self.max_model_len,
                 "max_num_batched_tokens", self.max_num_batched_tokens,
                 f"must be >= max_model_len ({self.max_model_len}) when chunked prefill is disabled",
@@ -73,8 +75,8 @@ class CacheConfig:
     defer_block_free: bool = False
 
     def __post_init__(self) -> None:
-        _check(self.block_size >= 1, "block_size", self.block_size, "must be >= 1")
-        _check(self.num_blocks >= 2, "num_blocks", self.num_blocks, "must be >= 2 (block 0 is reserved)")
+        check_field(self.block_size >= 1, "block_size", self.block_size, "must be >= 1")
+        check_field(self.num_blocks >= 2, "num_blocks", self.num_blocks, "must be >= 2 (block 0 is reserved)")
 
 
 @dataclass
@@ -121,10 +123,10 @@ class EngineArgs:
     def __post_init__(self) -> None:
         for name, allowed in CHOICES.items():
             value = getattr(self, name)
-            _check(value in allowed, name, value, f"must be one of {', '.join(allowed)}")
-        _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size", self.block_size,
+            check_field(value in allowed, name, value, f"must be one of {', '.join(allowed)}")
+        check_field(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size", self.block_size,
                "must be a power of two in [1, 128]")
-        _check(self.max_concurrent_batches is None or self.max_concurrent_batches >= 1,
+        check_field(self.max_concurrent_batches is None or self.max_concurrent_batches >= 1,
                "max_concurrent_batches", self.max_concurrent_batches, "must be >= 1")
 
     @classmethod
@@ -160,7 +162,7 @@ class EngineArgs:
             num_blocks = budget // (self.block_size * model_config.kv_bytes_per_token())
             # No need for more than every sequence at full length.
             num_blocks = min(num_blocks, self.max_num_seqs * blocks_per_seq + 1)
-        _check(num_blocks - 1 >= blocks_per_seq, "num_kv_blocks", num_blocks,
+        check_field(num_blocks - 1 >= blocks_per_seq, "num_kv_blocks", num_blocks,
                f"must hold one max_model_len ({max_model_len}) sequence: at least {blocks_per_seq + 1} "
                f"blocks of {self.block_size} tokens (block 0 is reserved); lower max_model_len or raise the pool")
         cache_config = CacheConfig(
@@ -200,8 +202,3 @@ def _default_kv_budget(device: str) -> int:
         free, _total = torch.cuda.mem_get_info()
         return int(free * 0.5)
     return DEFAULT_KV_CACHE_BYTES_CPU
-
-
-def _check(ok: bool, name: str, value: object, rule: str) -> None:
-    if not ok:
-        raise ValueError(f"{name} {rule}, got {value!r}")

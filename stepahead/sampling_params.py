@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from stepahead.validation import check_field
+
 MAX_LOGPROBS = 20
 
 
@@ -52,26 +54,26 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
-        _check(self.n >= 1, "n", self.n, "must be >= 1")
-        _check(self.temperature >= 0.0, "temperature", self.temperature, "must be >= 0")
-        _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]")
-        _check(self.top_k >= 0, "top_k", self.top_k, "must be -1 (off), 0 (off) or a positive integer")
-        _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "must be in [0, 1]")
-        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", self.max_tokens, "must be >= 1")
-        _check(self.min_tokens >= 0, "min_tokens", self.min_tokens, "must be >= 0")
-        _check(
+        check_field(self.n >= 1, "n", self.n, "must be >= 1")
+        check_field(self.temperature >= 0.0, "temperature", self.temperature, "must be >= 0")
+        check_field(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]")
+        check_field(self.top_k >= 0, "top_k", self.top_k, "must be -1 (off), 0 (off) or a positive integer")
+        check_field(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "must be in [0, 1]")
+        check_field(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", self.max_tokens, "must be >= 1")
+        check_field(self.min_tokens >= 0, "min_tokens", self.min_tokens, "must be >= 0")
+        check_field(
             self.max_tokens is None or self.min_tokens <= self.max_tokens,
             "min_tokens", self.min_tokens, f"must be <= max_tokens ({self.max_tokens})",
         )
-        _check(
+        check_field(
             self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
             "logprobs", self.logprobs, f"must be in [0, {MAX_LOGPROBS}]",
         )
-        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty, "must be in [-2, 2]")
-        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", self.frequency_penalty, "must be in [-2, 2]")
-        _check(0.0 < self.repetition_penalty <= 2.0, "repetition_penalty", self.repetition_penalty, "must be in (0, 2]")
-        _check(all(s for s in self.stop), "stop", self.stop, "must not contain empty strings")
-        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids, "must be >= 0")
+        check_field(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty, "must be in [-2, 2]")
+        check_field(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", self.frequency_penalty, "must be in [-2, 2]")
+        check_field(0.0 < self.repetition_penalty <= 2.0, "repetition_penalty", self.repetition_penalty, "must be in (0, 2]")
+        check_field(all(s for s in self.stop), "stop", self.stop, "must not contain empty strings")
+        check_field(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids, "must be >= 0")
 
     @property
     def is_greedy(self) -> bool:
@@ -84,9 +86,4 @@ class SamplingParams:
     def validate_token_ids(self, vocab_size: int) -> None:
         """Token ids in the parameters must exist in the model's vocabulary."""
         bad = [t for t in self.stop_token_ids if t >= vocab_size]
-        _check(not bad, "stop_token_ids", bad, f"must be token ids in [0, {vocab_size})")
-
-
-def _check(ok: bool, name: str, value: object, rule: str) -> None:
-    if not ok:
-        raise ValueError(f"{name} {rule}, got {value!r}")
+        check_field(not bad, "stop_token_ids", bad, f"must be token ids in [0, {vocab_size})")

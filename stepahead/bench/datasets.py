@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from stepahead.validation import check_field
+
 
 @dataclass
 class SampleRequest:
@@ -29,11 +31,6 @@ class SampleRequest:
         return {"prompt_token_ids": list(self.prompt)}
 
 
-def _check(ok: bool, name: str, value: object, rule: str) -> None:
-    if not ok:
-        raise ValueError(f"{name} {rule}, got {value!r}")
-
-
 def uniform_lengths(rng: np.random.Generator, num: int, low: int, high: int) -> np.ndarray:
     """num integers drawn uniformly from [low, high], both ends included."""
     return rng.integers(low, high + 1, size=num)
@@ -41,7 +38,7 @@ def uniform_lengths(rng: np.random.Generator, num: int, low: int, high: int) -> 
 
 def length_bounds(length: int, range_ratio: float) -> tuple[int, int]:
     """vLLM's random-dataset range: [length * (1 - r), length * (1 + r)], at least 1."""
-    _check(0.0 <= range_ratio < 1.0, "random_range_ratio", range_ratio, "must be in [0, 1)")
+    check_field(0.0 <= range_ratio < 1.0, "random_range_ratio", range_ratio, "must be in [0, 1)")
     low = max(1, int(length * (1.0 - range_ratio)))
     high = max(low, int(length * (1.0 + range_ratio)))
     return low, high
@@ -49,9 +46,9 @@ def length_bounds(length: int, range_ratio: float) -> tuple[int, int]:
 
 def _token_pool(vocab_size: int, exclude: Sequence[int]) -> np.ndarray:
     """Token ids a random prompt may use: the vocabulary minus special tokens."""
-    _check(vocab_size >= 2, "vocab_size", vocab_size, "must be >= 2")
+    check_field(vocab_size >= 2, "vocab_size", vocab_size, "must be >= 2")
     pool = np.setdiff1d(np.arange(vocab_size, dtype=np.int64), np.asarray(list(exclude), dtype=np.int64))
-    _check(pool.size > 0, "vocab_size", vocab_size, "leaves no token once special tokens are excluded")
+    check_field(pool.size > 0, "vocab_size", vocab_size, "leaves no token once special tokens are excluded")
     return pool
 
 
@@ -67,10 +64,10 @@ def random_token_requests(
 
     This is nano-vllm's bench.py protocol (there: 256 prompts, both ranges [100, 1024]).
     """
-    _check(num >= 1, "num_prompts", num, "must be >= 1")
+    check_field(num >= 1, "num_prompts", num, "must be >= 1")
     (in_lo, in_hi), (out_lo, out_hi) = input_len, output_len
-    _check(1 <= in_lo <= in_hi, "input_len", input_len, "must be a range 1 <= min <= max")
-    _check(1 <= out_lo <= out_hi, "output_len", output_len, "must be a range 1 <= min <= max")
+    check_field(1 <= in_lo <= in_hi, "input_len", input_len, "must be a range 1 <= min <= max")
+    check_field(1 <= out_lo <= out_hi, "output_len", output_len, "must be a range 1 <= min <= max")
     rng = np.random.default_rng(seed)
     pool = _token_pool(vocab_size, exclude_ids)
     in_lens = uniform_lengths(rng, num, in_lo, in_hi)
@@ -143,7 +140,7 @@ def load_jsonl_requests(
             except json.JSONDecodeError as e:
                 raise ValueError(f"dataset_path line {lineno} is not JSON: {e}") from e
             out_len = int(row.get("output_len", row.get("max_tokens", default_output_len)))
-            _check(out_len >= 1, f"dataset_path line {lineno} output_len", out_len, "must be >= 1")
+            check_field(out_len >= 1, f"dataset_path line {lineno} output_len", out_len, "must be >= 1")
             if "prompt_token_ids" in row:
                 ids = [int(t) for t in row["prompt_token_ids"]]
                 requests.append(SampleRequest(prompt=ids, prompt_len=len(ids), expected_output_len=out_len))
@@ -155,7 +152,7 @@ def load_jsonl_requests(
                 raise ValueError(f"dataset_path line {lineno} needs a 'prompt' string or 'prompt_token_ids' list")
             if num is not None and len(requests) >= num:
                 break
-    _check(len(requests) > 0, "dataset_path", str(path), "holds no prompt")
+    check_field(len(requests) > 0, "dataset_path", str(path), "holds no prompt")
     if num is not None and len(requests) < num:
         # Cycle the file so --num-prompts means the same thing for every dataset.
         requests = [requests[i % len(requests)] for i in range(num)]
