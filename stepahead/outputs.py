@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+LOGPROB_FLOOR = -9999.0  # the lowest logprob reported: -inf would not survive JSON
+
 
 @dataclass
 class Logprob:

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from stepahead.core.sched_output import TokenLogprobs
+from stepahead.outputs import LOGPROB_FLOOR
 from stepahead.sampling_params import SamplingParams
 
-LOGPROB_FLOOR = -9999.0  # -inf would not survive JSON
 TOP_CANDIDATES = 256  # top-k/top-p rows sample among this many best tokens unless the nucleus is wider
 
 

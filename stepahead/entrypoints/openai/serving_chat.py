@@ -22,8 +22,8 @@ from stepahead.entrypoints.openai.protocol import (
     random_id,
 )
 from stepahead.entrypoints.openai.serving_base import Choice, OpenAIServing, ResponseContext
-from stepahead.entrypoints.openai.serving_utils import LOGPROB_FLOOR, clamp, sampling_params_of, token_text
-from stepahead.outputs import Logprob
+from stepahead.entrypoints.openai.serving_utils import clamp, sampling_params_of, token_text
+from stepahead.outputs import LOGPROB_FLOOR, Logprob
 from stepahead.sampling_params import MAX_LOGPROBS
 
 NO_TEMPLATE = ("As of transformers v4.44, default chat template is no longer allowed, so you must provide a "

@@ -16,13 +16,12 @@ from starlette.types import Receive, Scope, Send
 
 from stepahead.entrypoints.openai.errors import APIError, error_body, error_from_exception
 from stepahead.entrypoints.openai.protocol import SamplingFields
-from stepahead.outputs import Logprob
+from stepahead.outputs import LOGPROB_FLOOR, Logprob
 from stepahead.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("stepahead.entrypoints.openai")
 
 MAX_N = 128  # choices per prompt; each is a full engine request
-LOGPROB_FLOOR = -9999.0  # JSON has no -inf
 
 
 @dataclass
