@@ -90,21 +90,19 @@ class ServerMetrics:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self.registry.register(EngineStatsCollector(get_stats, model_name))
-        labels = ["model_name"]
-        reg = self.registry
-        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token, from arrival.",
-                              labels, buckets=TTFT_BUCKETS, registry=reg).labels(model_name)
-        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Gap between successive outputs.",
-                             labels, buckets=ITL_BUCKETS, registry=reg).labels(model_name)
-        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to finish.",
-                             labels, buckets=E2E_BUCKETS, registry=reg).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: list[float]):
+            return Histogram(PREFIX + name, doc, ["model_name"], buckets=buckets,
+                             registry=self.registry).labels(model_name)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token, from arrival.", TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Gap between successive outputs.", ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", E2E_BUCKETS)
         tokens = _token_buckets(max_model_len)
-        self.req_prompt = Histogram(PREFIX + "request_prompt_tokens", "Prompt tokens per request.",
-                                    labels, buckets=tokens, registry=reg).labels(model_name)
-        self.req_gen = Histogram(PREFIX + "request_generation_tokens", "Generated tokens per request (choice).",
-                                 labels, buckets=tokens, registry=reg).labels(model_name)
+        self.req_prompt = histogram("request_prompt_tokens", "Prompt tokens per request.", tokens)
+        self.req_gen = histogram("request_generation_tokens", "Generated tokens per request (choice).", tokens)
         self.success = Counter(PREFIX + "request_success", "Finished requests (choices) by finish reason.",
-                               ["model_name", "finished_reason"], registry=reg)
+                               ["model_name", "finished_reason"], registry=self.registry)
         for reason in FINISH_REASONS:  # present (at 0) from the start, so rates work from the first scrape
             self.success.labels(model_name, reason)
 
