@@ -96,7 +96,7 @@ def mode_label(llm) -> str:
 
 
 def drain_spans(llm) -> list[Span]:
-    """The engine's trace events since the last drain (LLM has no public accessor yet: see the report)."""
+    """The engine's trace events since the last drain, read from the engine core (LLM exposes no accessor)."""
     core = llm.engine_core
     return to_spans(core.drain_trace_events()) if core.config.trace else []
 
