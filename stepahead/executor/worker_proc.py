@@ -10,17 +10,21 @@ Every message wakes the engine process, and on a machine with few cores that wak
 process. So an output nobody waits for yet (execute_model's None, when the step's sample_tokens call
 is already queued) is held back and sent with the step's result: one message per step. Held outputs
 are always sent before the worker blocks for the next call, so the engine never waits on one forever.
+
+On CPU the worker binds itself to its own cores (common.worker_cores), leaving the rest to the engine
+process, whose wake-ups would otherwise land on the worker's core and stall the forward pass.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 import traceback
 from multiprocessing.connection import Connection
 
 from stepahead.config import EngineConfig
-from stepahead.executor.common import StepTimer
+from stepahead.executor.common import StepTimer, worker_cores
 
 EXIT_ON_ERROR = 3
 
@@ -30,6 +34,9 @@ def worker_main(config: EngineConfig, num_threads: int, calls: Connection, resul
     # request, shut down), so the worker must not die of it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
+        cores = worker_cores(num_threads) if config.device == "cpu" else None
+        if cores:  # before torch starts its threads, which inherit it
+            os.sched_setaffinity(0, cores)
         import torch
 
         torch.set_num_threads(num_threads)
