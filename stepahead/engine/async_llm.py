@@ -20,7 +20,6 @@ import logging
 import multiprocessing
 import os
 import shutil
-import sys
 import tempfile
 import time
 import weakref
@@ -45,6 +44,7 @@ from stepahead.engine.messages import (
     Shutdown,
 )
 from stepahead.engine.output_processor import OutputProcessor, RequestOutputKind
+from stepahead.executor.common import main_module_hidden
 from stepahead.outputs import EngineStats, RequestOutput
 from stepahead.sampling_params import SamplingParams
 
@@ -139,7 +139,7 @@ class AsyncLLM:
         ctx = multiprocessing.get_context("spawn")
         self._proc = ctx.Process(target=run_engine_core, name="stepahead-engine-core",
                                  args=(config, input_addr, output_addr, os.getpid(), trace_path))
-        with _main_module_hidden():
+        with main_module_hidden():
             self._proc.start()
         # A library user who forgets shutdown() still leaves no engine process behind.
         self._finalizer = weakref.finalize(self, _cleanup, self._proc, self._tmpdir)
@@ -390,20 +390,3 @@ def _stop_process(proc: multiprocessing.process.BaseProcess, timeout_s: float) -
     if proc.is_alive():
         proc.kill()
         proc.join()
-
-
-@contextlib.contextmanager
-def _main_module_hidden():
-    """spawn re-imports the caller's __main__ in the child; the engine needs nothing from it."""
-    main = sys.modules.get("__main__")
-    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if main is not None and k in main.__dict__}
-    try:
-        for k in saved:
-            if k == "__file__":
-                del main.__dict__[k]
-            else:
-                main.__dict__[k] = None
-        yield
-    finally:
-        for k, v in saved.items():
-            main.__dict__[k] = v

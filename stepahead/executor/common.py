@@ -1,9 +1,13 @@
-"""What both executors share: the worker's torch thread count and its busy-time accounting."""
+"""What the executors share: the worker's torch threads and cores, its busy-time accounting, and
+starting a spawned process without re-running the caller's script (also used by AsyncLLM)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 import time
+from collections.abc import Iterator
 
 from stepahead.core.sched_output import ModelRunnerOutput
 
@@ -66,3 +70,26 @@ class StepTimer:
                 out.busy_s = self._pending_s
             self._pending_s = 0.0
         return out
+
+
+@contextlib.contextmanager
+def main_module_hidden() -> Iterator[None]:
+    """Keep spawn from re-running the caller's main script in a child process.
+
+    spawn re-imports `__main__` in the child, so a script calling LLM() at top level without an
+    `if __name__ == "__main__":` guard would start a second engine there. The worker and the engine
+    process need nothing from the caller's script, so the main module's file and spec are hidden
+    while the process starts.
+    """
+    main = sys.modules.get("__main__")
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if main is not None and k in main.__dict__}
+    try:
+        for k in saved:
+            if k == "__file__":
+                del main.__dict__[k]
+            else:
+                main.__dict__[k] = None
+        yield
+    finally:
+        for k, v in saved.items():
+            main.__dict__[k] = v

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
-import sys
 import threading
 from collections import deque
 from concurrent.futures import Future
@@ -20,7 +19,7 @@ from typing import Any
 from stepahead.config import EngineConfig
 from stepahead.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from stepahead.executor.abstract import Executor
-from stepahead.executor.common import default_worker_threads
+from stepahead.executor.common import default_worker_threads, main_module_hidden
 from stepahead.executor.worker_proc import worker_main
 
 _SHUTDOWN_GRACE_S = 5.0
@@ -35,7 +34,7 @@ class MultiprocExecutor(Executor):
         self._results, results_w = ctx.Pipe(duplex=False)
         self._proc = ctx.Process(target=worker_main, name="stepahead-worker", daemon=True,
                                  args=(config, self.num_threads, calls_r, results_w))
-        with _main_module_hidden():
+        with main_module_hidden():
             self._proc.start()
         # Only the worker holds these ends now, so its exit closes them.
         calls_r.close()
@@ -184,25 +183,3 @@ def _exit_text(code: int | None) -> str:
     if code < 0:
         return f"killed by signal {-code}"
     return f"exit code {code}"
-
-
-@contextlib.contextmanager
-def _main_module_hidden():
-    """Keep spawn from re-running the caller's main script in the worker.
-
-    spawn re-imports `__main__` in the child, so a script calling LLM() at top level without an
-    `if __name__ == "__main__":` guard would start a second engine there. The worker needs nothing
-    from the caller's script, so the main module's file and spec are hidden while the process starts.
-    """
-    main = sys.modules.get("__main__")
-    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if main is not None and k in main.__dict__}
-    try:
-        for k in saved:
-            if k == "__file__":
-                del main.__dict__[k]
-            else:
-                main.__dict__[k] = None
-        yield
-    finally:
-        for k, v in saved.items():
-            main.__dict__[k] = v
