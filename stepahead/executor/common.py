@@ -1,4 +1,4 @@
-"""What the executors share: the worker's torch threads and cores, its busy-time accounting, and
+"""What the executors share: the worker's torch threads, its busy-time accounting, and
 starting a spawned process without re-running the caller's script (also used by AsyncLLM)."""
 
 from __future__ import annotations
@@ -30,21 +30,6 @@ def default_worker_threads(device: str, in_engine_process: bool) -> int:
     if device != "cpu":
         return 1
     return max(1, len(_allowed_cores()) - 1)
-
-
-def worker_cores(num_threads: int) -> set[int] | None:
-    """The cores the mp worker process binds itself to: the last `num_threads` of those allowed,
-    when that leaves at least one core to the engine process; None (stay unbound) otherwise.
-
-    Unbound, the kernel wakes the engine process on the worker's core (it is woken by the worker's
-    message) and the forward pass waits while the engine schedules: the worker's idle gap after each
-    step was ~1 ms on the tiny model, and async scheduling hid almost nothing. Bound, it is ~0.2 ms
-    (docs/BENCHMARKS.md section 7). Passing num_threads = all cores turns binding off.
-    """
-    allowed = sorted(_allowed_cores())
-    if not hasattr(os, "sched_setaffinity") or num_threads >= len(allowed):
-        return None
-    return set(allowed[-num_threads:])
 
 
 def _allowed_cores() -> set[int]:

@@ -6,25 +6,22 @@ outputs of one or more calls, in call order; ("error", traceback text) on a fail
 process exits. A closed input pipe (the engine process is gone) also ends the process, so a worker
 never outlives its engine.
 
-Every message wakes the engine process, and on a machine with few cores that wake-up preempts this
-process. So an output nobody waits for yet (execute_model's None, when the step's sample_tokens call
-is already queued) is held back and sent with the step's result: one message per step. Held outputs
+Every message wakes the engine process, which on a busy machine with few cores takes CPU from this
+one. So an output nobody waits for yet (execute_model's None, when the step's sample_tokens call is
+already queued) is held back and sent with the step's result: one message per step (docs/BENCHMARKS.md
+section 7: under load, the worker's gap between a step's two calls went from 0.3-0.4 to 0.15 ms). Held outputs
 are always sent before the worker blocks for the next call, so the engine never waits on one forever.
-
-On CPU the worker binds itself to its own cores (common.worker_cores), leaving the rest to the engine
-process, whose wake-ups would otherwise land on the worker's core and stall the forward pass.
 """
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 import traceback
 from multiprocessing.connection import Connection
 
 from stepahead.config import EngineConfig
-from stepahead.executor.common import StepTimer, worker_cores
+from stepahead.executor.common import StepTimer
 
 EXIT_ON_ERROR = 3
 
@@ -34,9 +31,6 @@ def worker_main(config: EngineConfig, num_threads: int, calls: Connection, resul
     # request, shut down), so the worker must not die of it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        cores = worker_cores(num_threads) if config.device == "cpu" else None
-        if cores:  # before torch starts its threads, which inherit it
-            os.sched_setaffinity(0, cores)
         import torch
 
         torch.set_num_threads(num_threads)

@@ -111,25 +111,6 @@ def test_held_back_output_is_sent_when_the_worker_would_block(tiny_llama):
         executor.shutdown()
 
 
-def test_worker_binds_to_its_own_cores(tiny_llama):
-    """The mp worker takes the last num_threads cores and leaves the rest to the engine process; with
-    every core for its threads it stays unbound."""
-    from stepahead.executor.common import worker_cores
-
-    allowed = os.sched_getaffinity(0)
-    config = EngineArgs(model=str(tiny_llama), executor="mp", device="cpu", max_model_len=128, num_kv_blocks=64,
-                        num_threads=1).create_engine_config()
-    executor = MultiprocExecutor(config)
-    try:
-        expected = {max(allowed)} if len(allowed) > 1 else allowed
-        assert worker_cores(1) == (expected if len(allowed) > 1 else None)
-        assert os.sched_getaffinity(executor.worker_pid) == expected
-        assert os.sched_getaffinity(0) == allowed  # the engine process is left alone
-    finally:
-        executor.shutdown()
-    assert worker_cores(len(allowed)) is None
-
-
 @pytest.mark.parametrize("kind", ["uni", "mp"])
 def test_worker_error_fails_pending_and_later_calls(tiny_llama, kind):
     executor = make_executor(_config(tiny_llama, kind))
