@@ -101,14 +101,18 @@ class MultiprocExecutor(Executor):
         self._set_dead(err)
         return fut
 
+    def _recv_result(self) -> tuple[str, Any]:
+        """One (kind, payload) message from the worker; ("died", None) when its pipe is gone."""
+        try:
+            return self._results.recv()
+        except (EOFError, OSError):
+            return "died", None
+
     def _wait_ready(self) -> None:
         while True:
             ready = wait([self._results, self._proc.sentinel])
             if self._results in ready:
-                try:
-                    kind, payload = self._results.recv()
-                except (EOFError, OSError):
-                    kind, payload = "died", None
+                kind, payload = self._recv_result()
                 if kind == "ready":
                     return
                 if kind == "error":
@@ -124,10 +128,7 @@ class MultiprocExecutor(Executor):
         while True:
             ready = wait([self._results, self._proc.sentinel])
             if self._results in ready:
-                try:
-                    kind, payload = self._results.recv()
-                except (EOFError, OSError):
-                    kind, payload = "died", None
+                kind, payload = self._recv_result()
                 if kind == "ok":  # the outputs of the oldest len(payload) calls
                     with self._lock:
                         futs = [self._pending.popleft() for _ in range(min(len(payload), len(self._pending)))]
