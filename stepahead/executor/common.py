@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from stepahead.core.sched_output import ModelRunnerOutput
 
 
-def default_worker_threads(device: str, in_engine_process: bool) -> int:
+def default_worker_threads(device: str) -> int:
     """Torch threads for the worker: every core but one, which is left to the engine's bookkeeping.
 
     A per-machine choice (reference/environment.md), measured on the 2-core build machine with
@@ -25,7 +25,6 @@ def default_worker_threads(device: str, in_engine_process: bool) -> int:
       50x slower under outside load: the team and the engine thread also fight over the GIL.
     An earlier run on a busy machine had 2 mp threads 21% ahead on the built-in model (32 requests);
     the quiet-machine runs above reverse that by 2-15x, so both executors leave a core free.
-    `in_engine_process` is kept for callers; the answer is the same for both.
     """
     if device != "cpu":
         return 1

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import threading
-from collections import deque
 from concurrent.futures import Future
 from multiprocessing.connection import wait
 from typing import Any
@@ -20,6 +19,7 @@ from stepahead.config import EngineConfig
 from stepahead.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from stepahead.executor.abstract import Executor
 from stepahead.executor.common import default_worker_threads, main_module_hidden
+from stepahead.executor.pending import PendingCalls
 from stepahead.executor.worker_proc import worker_main
 
 _SHUTDOWN_GRACE_S = 5.0
@@ -28,7 +28,7 @@ _SHUTDOWN_GRACE_S = 5.0
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.num_threads = config.num_threads or default_worker_threads(config.device, in_engine_process=False)
+        self.num_threads = config.num_threads or default_worker_threads(config.device)
         ctx = multiprocessing.get_context("spawn")
         calls_r, self._calls = ctx.Pipe(duplex=False)
         self._results, results_w = ctx.Pipe(duplex=False)
@@ -39,11 +39,8 @@ class MultiprocExecutor(Executor):
         # Only the worker holds these ends now, so its exit closes them.
         calls_r.close()
         results_w.close()
-        self._lock = threading.Lock()  # guards _pending, _error, _closed
         self._send_lock = threading.Lock()
-        self._pending: deque[Future] = deque()
-        self._error: RuntimeError | None = None
-        self._closed = False
+        self._pending = PendingCalls()
         try:
             self._wait_ready()
         except BaseException:
@@ -61,9 +58,9 @@ class MultiprocExecutor(Executor):
         return self._submit("sample_tokens", grammar_output)
 
     def check_health(self) -> None:
-        if self._error is not None:
-            raise self._error
-        if not self._closed and not self._proc.is_alive():
+        if self._pending.error is not None:
+            raise self._pending.error
+        if not self._pending.closed and not self._proc.is_alive():
             raise RuntimeError(self._death_message())
 
     @property
@@ -71,34 +68,29 @@ class MultiprocExecutor(Executor):
         return self._proc.pid
 
     def shutdown(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
+        if not self._pending.close():
+            return
         with self._send_lock, contextlib.suppress(OSError, ValueError):
             self._calls.send(("shutdown", None))
         self._stop_process()
-        self._fail_pending(RuntimeError("stepahead executor was shut down"))
+        self._pending.fail_after_close()
 
     # -- internals ------------------------------------------------------------------------------
 
     def _submit(self, method: str, arg: Any) -> Future:
-        fut: Future = Future()
-        # _send_lock keeps calls in the order of their futures. The send itself happens outside
-        # _lock: a call larger than the pipe buffer blocks until the worker reads it, and the reader
-        # thread must meanwhile be free to take results off the other pipe.
+        # _send_lock keeps calls in the order of their futures. The send itself holds no lock of
+        # PendingCalls: a call larger than the pipe buffer blocks until the worker reads it, and the
+        # reader thread must meanwhile be free to resolve results from the other pipe.
         with self._send_lock:
-            with self._lock:
-                if self._error is not None or self._closed:
-                    fut.set_exception(self._error or RuntimeError("stepahead executor was shut down"))
-                    return fut
-                self._pending.append(fut)
+            fut = self._pending.add()
+            if fut.done():
+                return fut
             try:
                 self._calls.send((method, arg))
                 return fut
             except (OSError, ValueError) as e:  # broken pipe: the worker is gone
                 err = RuntimeError(f"{self._death_message()} (sending {method} failed: {e!r})")
-        self._set_dead(err)
+        self._pending.fail(err)
         return fut
 
     def _recv_result(self) -> tuple[str, Any]:
@@ -130,36 +122,20 @@ class MultiprocExecutor(Executor):
             if self._results in ready:
                 kind, payload = self._recv_result()
                 if kind == "ok":  # the outputs of the oldest len(payload) calls
-                    with self._lock:
-                        futs = [self._pending.popleft() for _ in range(min(len(payload), len(self._pending)))]
-                    for fut, out in zip(futs, payload, strict=False):
-                        fut.set_result(out)
+                    self._pending.resolve_oldest(payload)
                     continue
                 if kind == "error":
-                    self._set_dead(RuntimeError(f"stepahead worker process failed: {payload}"))
+                    self._pending.fail(RuntimeError(f"stepahead worker process failed: {payload}"))
                     return
             # The pipe closed or the process is gone; results it sent before dying were read above.
-            if self._closed:
+            if self._pending.closed:
                 return
             self._proc.join(timeout=_SHUTDOWN_GRACE_S)
-            self._set_dead(RuntimeError(self._death_message()))
+            self._pending.fail(RuntimeError(self._death_message()))
             return
 
     def _death_message(self) -> str:
         return f"stepahead worker process (pid {self._proc.pid}) died unexpectedly ({_exit_text(self._proc.exitcode)})"
-
-    def _set_dead(self, err: RuntimeError) -> None:
-        with self._lock:
-            if self._error is None:
-                self._error = err
-        self._fail_pending(self._error)
-
-    def _fail_pending(self, err: BaseException) -> None:
-        with self._lock:
-            pending, self._pending = self._pending, deque()
-        for fut in pending:
-            if not fut.done():
-                fut.set_exception(err)
 
     def _stop_process(self) -> None:
         """Join the worker; terminate, then kill, one that does not exit on its own. No orphans."""

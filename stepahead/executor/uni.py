@@ -10,7 +10,6 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -19,6 +18,7 @@ from stepahead.config import EngineConfig
 from stepahead.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from stepahead.executor.abstract import Executor
 from stepahead.executor.common import StepTimer, default_worker_threads
+from stepahead.executor.pending import PendingCalls
 
 _STOP = object()
 
@@ -26,12 +26,9 @@ _STOP = object()
 class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.num_threads = config.num_threads or default_worker_threads(config.device, in_engine_process=True)
+        self.num_threads = config.num_threads or default_worker_threads(config.device)
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._pending: deque[Future] = deque()  # submitted and not yet resolved, oldest first
-        self._error: BaseException | None = None
-        self._closed = False
+        self._pending = PendingCalls()
         ready: Future = Future()
         self._thread = threading.Thread(target=self._run, args=(ready,), name="stepahead-worker", daemon=True)
         self._thread.start()
@@ -46,35 +43,24 @@ class UniProcExecutor(Executor):
         return self._submit("sample_tokens", grammar_output)
 
     def check_health(self) -> None:
-        if self._error is not None:
-            raise RuntimeError(f"stepahead worker failed: {self._error!r}") from self._error
+        if self._pending.error is not None:
+            raise self._pending.error
 
     def shutdown(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
+        if not self._pending.close():
+            return
         self._calls.put(_STOP)
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=30)
-        self._fail_pending(RuntimeError("stepahead executor was shut down"))
+        self._pending.fail_after_close()
 
     # -- internals ------------------------------------------------------------------------------
 
     def _submit(self, method: str, arg: Any) -> Future:
-        fut: Future = Future()
-        with self._lock:
-            if self._error is not None or self._closed:
-                fut.set_exception(self._dead_error())
-                return fut
-            self._pending.append(fut)
-        self._calls.put((method, arg, fut))
+        fut = self._pending.add()
+        if not fut.done():
+            self._calls.put((method, arg))
         return fut
-
-    def _dead_error(self) -> RuntimeError:
-        if self._closed:
-            return RuntimeError("stepahead executor was shut down")
-        return RuntimeError(f"stepahead worker failed earlier: {self._error!r}")
 
     def _run(self, ready: Future) -> None:
         try:
@@ -98,23 +84,13 @@ class UniProcExecutor(Executor):
             item = self._calls.get()
             if item is _STOP:
                 return
-            method, arg, fut = item
+            method, arg = item
             started = time.perf_counter()
             try:
                 out = timer.record(started, calls[method](arg))
             except BaseException as e:  # noqa: BLE001 - every pending future learns of the failure
-                self._error = e
                 err = RuntimeError(f"stepahead worker raised in {method}: {e!r}")
                 err.__cause__ = e
-                self._fail_pending(err)
+                self._pending.fail(err)
                 return
-            with self._lock:
-                self._pending.popleft()  # calls run in submission order: fut is the oldest
-            fut.set_result(out)
-
-    def _fail_pending(self, err: BaseException) -> None:
-        with self._lock:
-            pending, self._pending = self._pending, deque()
-        for fut in pending:
-            if not fut.done():
-                fut.set_exception(err)
+            self._pending.resolve_oldest([out])  # calls run in submission order
