@@ -1,6 +1,6 @@
 """stepahead: an LLM inference engine whose scheduler runs one step ahead of the model."""
 
-from stepahead.config import EngineArgs
+from stepahead.engine.arg_utils import EngineArgs
 from stepahead.engine.llm import LLM
 from stepahead.outputs import CompletionOutput, EngineStats, RequestOutput
 from stepahead.sampling_params import SamplingParams

@@ -28,7 +28,7 @@ from stepahead.bench.report import (
     write_json,
 )
 from stepahead.bench.trace import Span, to_spans
-from stepahead.config import EngineArgs
+from stepahead.engine.arg_utils import EngineArgs
 from stepahead.outputs import EngineStats
 
 

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
-from stepahead.config import EngineArgs, EngineConfig
+from stepahead.config import EngineConfig
+from stepahead.engine.arg_utils import EngineArgs
 from stepahead.engine.core import EngineDeadError
 from stepahead.engine.core_proc import run_engine_core
 from stepahead.engine.input_processor import InputProcessor, PromptType

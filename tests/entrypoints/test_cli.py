@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from stepahead import LLM, SamplingParams
-from stepahead.config import EngineArgs
+from stepahead.engine.arg_utils import EngineArgs
 from stepahead.entrypoints.cli import build_parser
 from stepahead.entrypoints.engine_flags import add_engine_args, engine_args_from_namespace
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from stepahead.config import EngineArgs
 from stepahead.core.async_scheduler import AsyncScheduler
+from stepahead.engine.arg_utils import EngineArgs
 from stepahead.executor import make_executor
 from stepahead.executor.mp import MultiprocExecutor
 from stepahead.executor.uni import UniProcExecutor
@@ -163,7 +163,7 @@ def test_shutdown_leaves_no_process_and_is_idempotent(tiny_llama):
 def test_worker_exits_when_engine_process_dies(tiny_llama):
     script = textwrap.dedent(f"""
         import os, signal
-        from stepahead.config import EngineArgs
+        from stepahead.engine.arg_utils import EngineArgs
         from stepahead.executor.mp import MultiprocExecutor
         cfg = EngineArgs(model={str(tiny_llama)!r}, executor="mp", device="cpu", max_model_len=128,
                          num_kv_blocks=64).create_engine_config()
@@ -198,7 +198,7 @@ def test_script_without_main_guard_starts_one_worker(tiny_llama, tmp_path):
     """spawn would re-run an unguarded script in the worker; the executor keeps it from doing so."""
     script = tmp_path / "unguarded.py"
     script.write_text(textwrap.dedent(f"""
-        from stepahead.config import EngineArgs
+        from stepahead.engine.arg_utils import EngineArgs
         from stepahead.executor.mp import MultiprocExecutor
         print("script body ran", flush=True)
         cfg = EngineArgs(model={str(tiny_llama)!r}, executor="mp", device="cpu", max_model_len=128,

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 
-from stepahead.config import EngineArgs
 from stepahead.models.loader import load_model, load_model_config, load_tokenizer
 from stepahead.sampling_params import SamplingParams
 from stepahead.worker.model_runner import ModelRunner
@@ -23,42 +22,42 @@ def _copy(src, dst):
 
 
 def test_config_from_folder(tiny_llama):
-    mc = load_model_config(EngineArgs(model=str(tiny_llama)), "cpu")
+    mc = load_model_config(str(tiny_llama), "cpu")
     assert (mc.architecture, mc.dtype, mc.max_model_len, mc.vocab_size) == ("LlamaForCausalLM", "float32", 512, 2048)
     assert (mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.eos_token_id) == (2, 2, 16, 2)
-    assert load_model_config(EngineArgs(model=str(tiny_llama), max_model_len=100), "cpu").max_model_len == 100
-    assert load_model_config(EngineArgs(model=str(tiny_llama)), "cuda").dtype == "bfloat16"
+    assert load_model_config(str(tiny_llama), "cpu", max_model_len=100).max_model_len == 100
+    assert load_model_config(str(tiny_llama), "cuda").dtype == "bfloat16"
     assert load_tokenizer(mc).eos_token_id == 2
 
 
 def test_bad_inputs(tiny_llama, tmp_path):
     with pytest.raises(ValueError, match="max_model_len"):
-        load_model_config(EngineArgs(model=str(tiny_llama), max_model_len=513), "cpu")
+        load_model_config(str(tiny_llama), "cpu", max_model_len=513)
     with pytest.raises(ValueError, match="does not exist"):
-        load_model_config(EngineArgs(model=str(tmp_path / "nope")), "cpu")
+        load_model_config(str(tmp_path / "nope"), "cpu")
     bad_arch = _copy(tiny_llama, tmp_path / "arch")
     cfg = json.loads((bad_arch / "config.json").read_text())
     cfg["architectures"] = ["GPT2LMHeadModel"]
     (bad_arch / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*not supported"):
-        load_model_config(EngineArgs(model=str(bad_arch)), "cpu")
+        load_model_config(str(bad_arch), "cpu")
     missing = _copy(tiny_llama, tmp_path / "missing")
     (missing / "model.safetensors").unlink()
     with pytest.raises(ValueError, match="no \\*.safetensors"):
-        load_model_config(EngineArgs(model=str(missing)), "cpu")
+        load_model_config(str(missing), "cpu")
     corrupt = _copy(tiny_llama, tmp_path / "corrupt")
     (corrupt / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a header")
     with pytest.raises(ValueError, match="safetensors"):
-        load_model_config(EngineArgs(model=str(corrupt)), "cpu")
+        load_model_config(str(corrupt), "cpu")
     yarn = _copy(tiny_llama, tmp_path / "yarn")
     cfg = json.loads((yarn / "config.json").read_text())
     cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
     (yarn / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="rope_scaling type 'yarn'"):
-        load_model_config(EngineArgs(model=str(yarn)), "cpu")
+        load_model_config(str(yarn), "cpu")
     (tmp_path / "junk.gguf").write_bytes(b"GGUF garbage")
     with pytest.raises(ValueError, match="GGUF"):
-        load_model_config(EngineArgs(model=str(tmp_path / "junk.gguf")), "cpu")
+        load_model_config(str(tmp_path / "junk.gguf"), "cpu")
 
 
 def test_missing_tensor_is_reported(tiny_llama, tmp_path):
@@ -68,13 +67,13 @@ def test_missing_tensor_is_reported(tiny_llama, tmp_path):
     sd = load_file(str(folder / "model.safetensors"))
     del sd["model.layers.1.mlp.up_proj.weight"]
     save_file(sd, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    mc = load_model_config(EngineArgs(model=str(folder)), "cpu")
+    mc = load_model_config(str(folder), "cpu")
     with pytest.raises(ValueError, match="missing 1 weights"):
         load_model(mc, "cpu")
 
 
 def test_dummy_weights_have_model_shape(tiny_llama):
-    mc = load_model_config(EngineArgs(model=str(tiny_llama), load_format="dummy"), "cpu")
+    mc = load_model_config(str(tiny_llama), "cpu", load_format="dummy")
     model = load_model(mc, "cpu")
     assert model.embed_tokens.weight.shape == (2048, 64) and model.embed_tokens.weight.std() > 0
 
@@ -129,8 +128,8 @@ def _write_gguf(folder, path):
 def test_gguf_matches_safetensors_twin(tiny_llama, tmp_path):
     path = tmp_path / "tiny.gguf"
     _write_gguf(tiny_llama, path)
-    g_cfg = load_model_config(EngineArgs(model=str(path)), "cpu")
-    s_cfg = load_model_config(EngineArgs(model=str(tiny_llama)), "cpu")
+    g_cfg = load_model_config(str(path), "cpu")
+    s_cfg = load_model_config(str(tiny_llama), "cpu")
     assert (g_cfg.load_format, g_cfg.eos_token_id, g_cfg.head_dim) == ("gguf", 2, s_cfg.head_dim)
     g, s = load_model(g_cfg, "cpu"), load_model(s_cfg, "cpu")
     for (n, a), (_, b) in zip(g.named_parameters(), s.named_parameters(), strict=True):
@@ -144,7 +143,7 @@ def test_gguf_matches_safetensors_twin(tiny_llama, tmp_path):
 
 
 def test_builtin_model_answers_paris():
-    mc = load_model_config(EngineArgs(), "cpu")
+    mc = load_model_config(None, "cpu")
     assert (mc.hf_config["hidden_size"], mc.num_layers, mc.vocab_size) == (576, 30, 49152)
     assert mc.hf_config["tie_word_embeddings"] and mc.load_format == "gguf"
     tok = load_tokenizer(mc)

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from stepahead.config import EngineArgs, EngineConfig
+from stepahead.config import EngineConfig
 from stepahead.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from stepahead.engine.arg_utils import EngineArgs
 from stepahead.sampling_params import SamplingParams
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from stepahead.config import EngineArgs
+from stepahead.engine.arg_utils import EngineArgs
 from stepahead.engine.async_llm import AsyncLLM
 from stepahead.sampling_params import SamplingParams
 from tests.entrypoints.openai.server_utils import alive

@@ -1,0 +1,144 @@
+"""EngineArgs: every engine knob with vLLM's names, the single source of LLM(**kwargs) and CLI flags.
+
+Each field carries its flag help in its metadata, so a new field becomes a documented flag of every
+subcommand without touching the CLI. create_engine_config() resolves the arguments (device, model
+config, KV pool size, batch-queue depth) into the EngineConfig the engine runs with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from stepahead.config import (
+    DEFAULT_KV_CACHE_BYTES_CPU,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+)
+from stepahead.utils import cdiv
+from stepahead.validation import check_field
+
+# Allowed values of EngineArgs' string fields (the CLI offers the same as choices).
+CHOICES = {
+    "dtype": ("auto", "float32", "bfloat16", "float16"),
+    "executor": ("mp", "uni"),
+    "load_format": ("auto", "safetensors", "gguf", "dummy"),
+    "device": ("auto", "cpu", "cuda"),
+}
+
+
+def _arg(default, help: str):  # noqa: A002 - the argparse word
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class EngineArgs:
+    """Every engine knob, with vLLM's names. LLM(**kwargs) and the CLI flags both come from here."""
+
+    model: str | None = _arg(None, "model folder or .gguf file (default: the built-in SmolLM2-135M-Instruct)")
+    dtype: str = _arg("auto", "weights and activations dtype ('auto': chosen from the checkpoint and the device)")
+    seed: int = _arg(0, "random seed for dummy weights and unseeded sampling")
+    max_model_len: int | None = _arg(None, "context length (default: the model's)")
+    max_num_seqs: int = _arg(256, "most requests in one batch")
+    max_num_batched_tokens: int | None = _arg(
+        None, "most tokens in one step (default: 2048, or max_model_len without chunked prefill)")
+    block_size: int = _arg(16, "tokens per KV-cache block")
+    num_kv_blocks: int | None = _arg(None, "KV pool size in blocks, overriding the memory budget")
+    kv_cache_memory_bytes: int | None = _arg(None, "KV pool budget in bytes")
+    enable_prefix_caching: bool = _arg(True, "reuse KV blocks of identical prompt prefixes")
+    enable_chunked_prefill: bool = _arg(True, "split long prompts across steps")
+    async_scheduling: bool | None = _arg(None, "schedule step N+1 while step N runs (default: on)")
+    max_concurrent_batches: int | None = _arg(
+        None, "steps in flight (default: 2 with async scheduling, 1 without)")
+    executor: str = _arg("mp", "'mp': worker in a separate process; 'uni': worker thread in the engine process")
+    load_format: str = _arg("auto", "'dummy': random weights of the model's shape")
+    device: str = _arg("auto", "where the model runs")
+    num_threads: int | None = _arg(None, "torch threads in the worker (default: chosen by the executor)")
+    served_model_name: str | None = _arg(None, "model name reported by the API")
+    tokenizer: str | None = _arg(None, "folder holding the tokenizer (default: the model's)")
+    debug_invariants: bool = _arg(False, "check scheduler invariants after every step (slow)")
+    defer_block_free: bool = _arg(False, "park freed KV blocks until every in-flight step is processed")
+    trace: bool = _arg(False, "record a timeline trace of engine and worker events")
+
+    def __post_init__(self) -> None:
+        for name, allowed in CHOICES.items():
+            value = getattr(self, name)
+            check_field(value in allowed, name, value, f"must be one of {', '.join(allowed)}")
+        check_field(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size", self.block_size,
+                    "must be a power of two in [1, 128]")
+        check_field(self.max_concurrent_batches is None or self.max_concurrent_batches >= 1,
+                    "max_concurrent_batches", self.max_concurrent_batches, "must be >= 1")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    @classmethod
+    def field_help(cls, name: str) -> str:
+        return next(f.metadata.get("help", "") for f in fields(cls) if f.name == name)
+
+    def resolve_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch  # only the frontend resolving a config touches torch here
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def create_engine_config(self) -> EngineConfig:
+        from stepahead.models.loader import load_model_config
+
+        device = self.resolve_device()
+        model_config = load_model_config(
+            self.model, device, dtype=self.dtype, max_model_len=self.max_model_len, load_format=self.load_format,
+            seed=self.seed, served_model_name=self.served_model_name, tokenizer=self.tokenizer)
+        max_model_len = model_config.max_model_len
+        max_batched = self.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                                                         0 if self.enable_chunked_prefill else max_model_len)
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=max_batched,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            debug_invariants=self.debug_invariants,
+        )
+        blocks_per_seq = cdiv(max_model_len, self.block_size)
+        num_blocks = self.num_kv_blocks
+        if num_blocks is None:
+            budget = self.kv_cache_memory_bytes or _default_kv_budget(device)
+            num_blocks = budget // (self.block_size * model_config.kv_bytes_per_token())
+            # No need for more than every sequence at full length.
+            num_blocks = min(num_blocks, self.max_num_seqs * blocks_per_seq + 1)
+        check_field(num_blocks - 1 >= blocks_per_seq, "num_kv_blocks", num_blocks,
+                    f"must hold one max_model_len ({max_model_len}) sequence: at least {blocks_per_seq + 1} "
+                    f"blocks of {self.block_size} tokens (block 0 is reserved); lower max_model_len or raise the pool")
+        cache_config = CacheConfig(
+            block_size=self.block_size,
+            num_blocks=num_blocks,
+            enable_prefix_caching=self.enable_prefix_caching,
+            defer_block_free=self.defer_block_free,
+        )
+        # Every executor and feature stepahead has supports async scheduling (a step holding a grammar
+        # defers its sampling instead), so unset means on.
+        async_scheduling = True if self.async_scheduling is None else bool(self.async_scheduling)
+        depth = self.max_concurrent_batches or (2 if async_scheduling else 1)
+        return EngineConfig(
+            model_config=model_config,
+            scheduler_config=scheduler_config,
+            cache_config=cache_config,
+            async_scheduling=async_scheduling,
+            max_concurrent_batches=depth,
+            executor=self.executor,
+            device=device,
+            num_threads=self.num_threads,
+            trace=self.trace,
+        )
+
+
+def _default_kv_budget(device: str) -> int:
+    if device == "cuda":
+        import torch
+
+        free, _total = torch.cuda.mem_get_info()
+        return int(free * 0.5)
+    return DEFAULT_KV_CACHE_BYTES_CPU
