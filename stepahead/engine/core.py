@@ -17,23 +17,12 @@ from stepahead.config import EngineConfig
 from stepahead.core.async_scheduler import AsyncScheduler
 from stepahead.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from stepahead.core.scheduler import Scheduler
+from stepahead.errors import EngineDeadError
 from stepahead.executor.abstract import Executor
 from stepahead.outputs import EngineStats
 from stepahead.request import Request, RequestStatus
 
 _HEALTH_POLL_S = 1.0  # how often a blocked wait asks the executor whether its worker is alive
-
-
-class EngineDeadError(RuntimeError):
-    """The executor failed; the engine cannot continue.
-
-    `outputs` (on the first raise only) holds one finish_reason "error" output per request that was
-    unfinished when the engine died.
-    """
-
-    def __init__(self, message: str, outputs: list[EngineCoreOutput] | None = None) -> None:
-        super().__init__(message)
-        self.outputs = outputs or []
 
 
 class EngineCore:
