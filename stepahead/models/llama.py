@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stepahead.worker.attention import AttentionMetadata, PagedKVCache, paged_attention
+from stepahead.attention.sdpa import AttentionMetadata, PagedKVCache, paged_attention
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from stepahead.attention.sdpa import AttentionMetadata, DecodeGroup, PagedKVCache, PrefillRow
 from stepahead.config import EngineConfig
 from stepahead.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from stepahead.models.loader import load_model
-from stepahead.worker.attention import AttentionMetadata, DecodeGroup, PagedKVCache, PrefillRow
 from stepahead.worker.input_batch import CachedRequestState, StagingBuffer
 from stepahead.worker.sampler import RowSampling, apply_bitmask, sample
 
