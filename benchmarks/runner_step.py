@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from stepahead.config import EngineArgs
+from stepahead.engine.arg_utils import EngineArgs
 from stepahead.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from stepahead.sampling_params import SamplingParams
 from stepahead.worker.model_runner import ModelRunner

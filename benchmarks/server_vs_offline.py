@@ -181,7 +181,7 @@ def main() -> None:
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args()
 
-    from stepahead.config import EngineArgs
+    from stepahead.engine.arg_utils import EngineArgs
     from stepahead.models.loader import load_tokenizer
 
     model_config = EngineArgs(model=args.model).create_engine_config().model_config

@@ -42,7 +42,7 @@ class SchedulerConfig:
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0  # 0: off
-    debug_invariants: bool = False  # check engine-spec §2.3 invariants after every schedule/update
+    debug_invariants: bool = False  # check the invariants (docs/design.md, "Invariants") after every schedule/update
 
     def __post_init__(self) -> None:
         check_field(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "must be >= 1")
@@ -61,7 +61,8 @@ class CacheConfig:
     block_size: int = 16
     num_blocks: int = 1024  # including the reserved null block 0
     enable_prefix_caching: bool = True
-    # Park freed blocks until every in-flight step that may write them has been processed (§2.11).
+    # Park freed blocks until every in-flight step that may write them has been processed
+    # (docs/design.md, "Deferred frees and step fences").
     defer_block_free: bool = False
 
     def __post_init__(self) -> None:

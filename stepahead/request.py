@@ -1,4 +1,4 @@
-"""The per-request record the scheduler owns (torch-free)."""
+"""The per-request record the scheduler owns, its status, and the context-length check (torch-free)."""
 
 from __future__ import annotations
 
@@ -6,19 +6,18 @@ import enum
 import time
 
 from stepahead.sampling_params import SamplingParams
+from stepahead.validation import InvalidInputError
 
 
 class RequestStatus(enum.IntEnum):
     """Ordered: every status after PREEMPTED is a finished one."""
 
     WAITING = enum.auto()
-    WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
-    FINISHED_IGNORED = enum.auto()
     FINISHED_ERROR = enum.auto()
 
     @staticmethod
@@ -34,16 +33,35 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
-    RequestStatus.FINISHED_IGNORED: "length",
     RequestStatus.FINISHED_ERROR: "error",
 }
 
 
+def check_context_length(num_prompt_tokens: int, max_model_len: int, num_completion_tokens: int = 1) -> None:
+    """Raise InvalidInputError (a ValueError) unless the prompt and the completion fit in max_model_len.
+
+    num_completion_tokens is the request's max_tokens, or 1 where the request leaves it open: at
+    least one token is always generated, so a prompt must be shorter than max_model_len. The wording
+    is the OpenAI one, which API clients match on.
+    """
+    num_requested = num_prompt_tokens + num_completion_tokens
+    if num_requested <= max_model_len:
+        return
+    raise InvalidInputError(
+        f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+        f"{num_requested} tokens ({num_prompt_tokens} in the messages, {num_completion_tokens} in the completion). "
+        "Please reduce the length of the messages or completion."
+    )
+
+
 class Request:
-    """Counters follow the seed (async-scheduling.md) and engine-spec §1.1.
+    """One generation request and the scheduler's counters for it.
 
     num_computed_tokens is optimistic: it counts every scheduled position, including those of steps
-    still in flight. num_output_placeholders counts tokens that in-flight steps will produce.
+    still in flight. num_output_placeholders counts the tokens that in-flight steps will produce
+    (docs/design.md, "Placeholders"); num_in_flight_tokens counts the positions of steps whose output
+    has not been processed yet, and num_stale_output_tokens the part of those scheduled before the
+    request's last preemption (docs/design.md, "Stale output").
     """
 
     def __init__(
@@ -80,7 +98,6 @@ class Request:
         self.num_stale_output_tokens = 0
         self.drop_stale_output = False
         self.is_prefill_chunk = False
-        self.spec_token_ids: list[int] = []
         self.last_sched_seq = 0
         self.num_preemptions = 0
         self.num_cached_tokens = -1
@@ -100,10 +117,6 @@ class Request:
         return len(self._all_token_ids)
 
     @property
-    def num_tokens_with_spec(self) -> int:
-        return len(self._all_token_ids) + len(self.spec_token_ids)
-
-    @property
     def num_output_tokens(self) -> int:
         return len(self._output_token_ids)
 
@@ -121,12 +134,9 @@ class Request:
     def get_finished_reason(self) -> str | None:
         return RequestStatus.get_finished_reason(self.status)
 
-    def __lt__(self, other: Request) -> bool:
-        return (self.arrival_time, self.request_id) < (other.arrival_time, other.request_id)
-
     def __repr__(self) -> str:
         return (
-            f"Request({self.request_id!r}, status={self.status.name}, ntok={self.num_tokens}, "
-            f"comp={self.num_computed_tokens}, ph={self.num_output_placeholders}, "
-            f"inflt={self.num_in_flight_tokens}, stale={self.num_stale_output_tokens})"
+            f"Request({self.request_id!r}, status={self.status.name}, num_tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, placeholders={self.num_output_placeholders}, "
+            f"in_flight={self.num_in_flight_tokens}, stale={self.num_stale_output_tokens})"
         )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from stepahead.validation import check_field
+from stepahead.validation import InvalidInputError, check_field
 
 MAX_LOGPROBS = 20
 
@@ -20,9 +20,12 @@ class StructuredOutputsParams:
     grammar: str | None = None
 
     def __post_init__(self) -> None:
-        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
         if len(given) != 1:
-            raise ValueError(f"structured_outputs: exactly one of json, regex, choice, grammar must be set (got {given})")
+            raise InvalidInputError(
+                f"structured_outputs: exactly one of json, regex, choice, grammar must be set (got {given})",
+                param="structured_outputs",
+            )
 
 
 @dataclass
@@ -72,8 +75,9 @@ class SamplingParams:
         check_field(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty, "must be in [-2, 2]")
         check_field(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", self.frequency_penalty, "must be in [-2, 2]")
         check_field(0.0 < self.repetition_penalty <= 2.0, "repetition_penalty", self.repetition_penalty, "must be in (0, 2]")
-        check_field(all(s for s in self.stop), "stop", self.stop, "must not contain empty strings")
-        check_field(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids, "must be >= 0")
+        check_field(all(self.stop), "stop", self.stop, "must not contain empty strings")
+        check_field(all(token_id >= 0 for token_id in self.stop_token_ids), "stop_token_ids", self.stop_token_ids,
+                    "must be >= 0")
 
     @property
     def is_greedy(self) -> bool:
@@ -85,5 +89,5 @@ class SamplingParams:
 
     def validate_token_ids(self, vocab_size: int) -> None:
         """Token ids in the parameters must exist in the model's vocabulary."""
-        bad = [t for t in self.stop_token_ids if t >= vocab_size]
-        check_field(not bad, "stop_token_ids", bad, f"must be token ids in [0, {vocab_size})")
+        out_of_vocab = [token_id for token_id in self.stop_token_ids if token_id >= vocab_size]
+        check_field(not out_of_vocab, "stop_token_ids", out_of_vocab, f"must be token ids in [0, {vocab_size})")

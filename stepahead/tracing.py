@@ -1,7 +1,7 @@
 """TraceEvent: one span of a timeline trace, recorded by the engine and the worker when tracing is on.
 
-Events cross the worker pipe and the engine-process socket as plain data; bench.trace turns them
-into Chrome/Perfetto traces and two-lane plots.
+Events cross the worker pipe as plain data (pickled); stepahead.engine.chrome_trace writes them as
+Chrome/Perfetto traces, and bench/ turns them into two-lane plots.
 """
 
 from __future__ import annotations

@@ -1,8 +1,22 @@
-"""The one shape of a bad-input message: "<field> <rule>, got <value>" (the API maps it to its param)."""
+"""What bad input raises, and the one shape of its message: "<field> <rule>, got <value>"."""
 
 from __future__ import annotations
+
+from stepahead.errors import StepaheadError
+
+
+class InvalidInputError(StepaheadError, ValueError):
+    """Input stepahead refuses: a prompt, a sampling parameter, an engine setting, or a feature not built yet.
+
+    A ValueError too, for callers that caught that before the type existed. `param` names the field
+    at fault when there is one; the API server reports it as the error's param.
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 def check_field(ok: bool, name: str, value: object, rule: str) -> None:
     if not ok:
-        raise ValueError(f"{name} {rule}, got {value!r}")
+        raise InvalidInputError(f"{name} {rule}, got {value!r}", param=name)

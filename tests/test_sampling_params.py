@@ -1,6 +1,8 @@
 import pytest
 
-from stepahead.sampling_params import SamplingParams
+from stepahead.errors import StepaheadError
+from stepahead.sampling_params import SamplingParams, StructuredOutputsParams
+from stepahead.validation import InvalidInputError
 
 
 @pytest.mark.parametrize(
@@ -20,8 +22,18 @@ from stepahead.sampling_params import SamplingParams
     ],
 )
 def test_out_of_range_values_name_the_field(kwargs, field):
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(InvalidInputError, match=field) as raised:
         SamplingParams(**kwargs)
+    # Catchable as stepahead's own error and as the ValueError callers caught before; the field travels along.
+    assert isinstance(raised.value, StepaheadError) and isinstance(raised.value, ValueError)
+    assert raised.value.param == field
+
+
+@pytest.mark.parametrize("fields", [{}, {"regex": "a+", "choice": ["a"]}])
+def test_structured_outputs_need_exactly_one_constraint(fields):
+    with pytest.raises(InvalidInputError, match="exactly one of") as raised:
+        StructuredOutputsParams(**fields)
+    assert raised.value.param == "structured_outputs"
 
 
 def test_normalizes_stop_and_top_k():

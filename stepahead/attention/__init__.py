@@ -1,2 +1,18 @@
-"""Paged attention: a layer the models use. KV write by slot mapping; SDPA over gathered blocks on CPU,
-a Triton kernel reading block tables on CUDA."""
+"""Paged attention: a layer the models use (it never imports the worker).
+
+The model runner lays a step's rows out (rows.BatchRow) and asks its backend for the step's metadata;
+each layer then calls paged_attention, which writes the new tokens' K/V at their slots and attends over
+the paged cache the way that metadata's backend does: SDPA over gathered blocks on CPU (sdpa.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from stepahead.attention.paged_cache import LayerKV
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, metadata,
+                    scale: float) -> torch.Tensor:
+    """q [T, heads, hd], k/v [T, kv_heads, hd] for the step's new tokens -> attention output [T, heads, hd]."""
+    return metadata.attend(q, k, v, kv, scale)

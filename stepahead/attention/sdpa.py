@@ -1,9 +1,9 @@
-"""Paged KV cache and attention over it for a mixed prefill + decode batch (torch SDPA, CPU and CUDA).
+"""Attention over the paged KV cache with torch SDPA (the CPU path): a mixed prefill + decode batch.
 
-Layout: one K and one V tensor per layer, shaped [num_kv_heads, num_blocks, block_size, head_dim]
-(head-major), so a request's context is gathered block-wise with one `index_select(out=...)` into a
-reusable buffer, and the gathered [kv_heads, rows, tokens, head_dim] tensor feeds SDPA with every
-(head, row) slab contiguous (measured faster than token-major for both the gather and SDPA on CPU).
+A request's context is gathered block-wise from the head-major cache (attention/paged_cache.py) with one
+`index_select(out=...)` into a reusable buffer, and the gathered [kv_heads, rows, tokens, head_dim] tensor
+feeds SDPA with every (head, row) slab contiguous (measured faster than token-major for both the gather
+and SDPA on CPU).
 
 The flattened batch is ordered by the model runner as: single-token rows first (decodes, and one-token
 prefill chunks) sorted by context length, then multi-token rows. Single-token rows are attended in a few
@@ -17,6 +17,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from stepahead.attention.paged_cache import LayerKV
+from stepahead.attention.rows import BatchRow
 
 
 @dataclass
@@ -50,51 +53,83 @@ class AttentionMetadata:
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillRow] = field(default_factory=list)
 
-
-class KVGatherBuffer:
-    """Reusable scratch for gathered K/V; grows when a step needs more, never shrinks (no per-step alloc)."""
-
-    def __init__(self, block_elems: int, dtype: torch.dtype, device: torch.device | str) -> None:
-        self.block_elems = block_elems
-        self.dtype = dtype
-        self.device = device
-        self.k = torch.empty(0, dtype=dtype, device=device)
-        self.v = torch.empty(0, dtype=dtype, device=device)
-
-    def get(self, num_kv_heads: int, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Two [num_kv_heads, num_blocks, block_elems] views of the scratch memory."""
-        need = num_kv_heads * num_blocks * self.block_elems
-        if self.k.numel() < need:
-            cap = max(need, 2 * self.k.numel())
-            self.k = torch.empty(cap, dtype=self.dtype, device=self.device)
-            self.v = torch.empty(cap, dtype=self.dtype, device=self.device)
-        shape = (num_kv_heads, num_blocks, self.block_elems)
-        return self.k[:need].view(shape), self.v[:need].view(shape)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, scale: float) -> torch.Tensor:
+        return paged_attention(q, k, v, kv, self, scale)
 
 
-class PagedKVCache:
-    """The KV tensors of every layer plus the gather scratch they share."""
-
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
-        self.block_size = block_size
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        shape = (num_kv_heads, num_blocks, block_size, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.scratch = KVGatherBuffer(block_size * head_dim, dtype, device)
-        self.layers = [LayerKV(k, v, self.scratch) for k, v in zip(self.k, self.v, strict=True)]
-
-    def layer(self, i: int) -> LayerKV:
-        return self.layers[i]
+def decode_groups(blocks_needed: list[int], min_rows: int = 8) -> list[tuple[int, int]]:
+    """Split rows sorted by block count into [start, end) groups so that padding a group to its longest
+    row at most doubles a row's blocks (groups keep at least min_rows rows: fewer SDPA calls)."""
+    groups, start = [], 0
+    for i in range(1, len(blocks_needed) + 1):
+        if i == len(blocks_needed) or (blocks_needed[i] > 2 * blocks_needed[start] and i - start >= min_rows):
+            groups.append((start, i))
+            start = i
+    return groups
 
 
 @dataclass
-class LayerKV:
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    scratch: KVGatherBuffer
+class StagedMetadata:
+    """Where build_metadata put the block tables and lengths in the staging buffer; finish() turns them
+    into device views once the buffer is uploaded."""
+
+    decode_groups: list[tuple[int, int, int, int]]  # (first row, end row, table width, table offset)
+    prefills: list[tuple[BatchRow, int | None]]  # (row, table offset or None without a cached prefix)
+    lens_offset: int
+
+    def finish(self, slot_mapping: torch.Tensor, staging, block_size: int,
+               arange: torch.Tensor) -> AttentionMetadata:
+        """Device views of what stage_metadata wrote, valid once the staging buffer is uploaded."""
+        groups = []
+        for first, end, width, table_offset in self.decode_groups:
+            rows = end - first
+            keys = arange[: width * block_size]
+            lens = staging.view(self.lens_offset + first, rows)
+            mask = (keys.unsqueeze(0) < lens.unsqueeze(1)).view(1, rows, 1, width * block_size)
+            # Decode rows come first and hold one token each: row index == token index.
+            groups.append(DecodeGroup(first, end, staging.view(table_offset, rows * width, (rows, width)), mask))
+        prefills = []
+        for row, table_offset in self.prefills:
+            end = row.start + row.num_new_tokens
+            if table_offset is None:
+                prefills.append(PrefillRow(row.start, end, 0, None, None))
+                continue
+            new, cached = row.num_new_tokens, row.num_computed_tokens
+            keys = arange[: cached + new]
+            mask = (keys.unsqueeze(0) <= (arange[:new] + cached).unsqueeze(1)).view(1, 1, new, cached + new)
+            table = staging.view(table_offset, row.blocks_needed(block_size))
+            prefills.append(PrefillRow(row.start, end, cached, table, mask))
+        return AttentionMetadata(slot_mapping, groups, prefills)
+
+
+def stage_metadata(rows: list[BatchRow], num_decode_rows: int, staging, block_size: int) -> StagedMetadata:
+    """Write block tables and context lengths into the step's staging buffer (host side).
+
+    The batch's first num_decode_rows rows are single-token rows sorted by context length; they are
+    attended in a few padded groups, each multi-token row on its own.
+    """
+    needs = [rows[b].blocks_needed(block_size) for b in range(num_decode_rows)]
+    lens, lens_offset = staging.alloc(num_decode_rows)
+    for b in range(num_decode_rows):
+        lens[b] = rows[b].num_computed_tokens + 1
+    groups = []
+    for first, end in decode_groups(needs):
+        width = needs[end - 1]
+        table, table_offset = staging.alloc((end - first) * width)
+        table[:] = 0  # padding points at the null block
+        for b in range(first, end):
+            table[(b - first) * width:(b - first) * width + needs[b]] = rows[b].block_ids[:needs[b]]
+        groups.append((first, end, width, table_offset))
+    prefills: list[tuple[BatchRow, int | None]] = []
+    for row in rows[num_decode_rows:]:
+        if row.num_computed_tokens == 0:  # attends only to its own new tokens: no table needed
+            prefills.append((row, None))
+            continue
+        need = row.blocks_needed(block_size)
+        table, table_offset = staging.alloc(need)
+        table[:] = row.block_ids[:need]
+        prefills.append((row, table_offset))
+    return StagedMetadata(groups, prefills, lens_offset)
 
 
 def write_kv(kv: LayerKV, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -149,3 +184,19 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Layer
             o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=row.mask, scale=scale, enable_gqa=group > 1)
         out[row.start:row.end] = o[0].transpose(0, 1)
     return out
+
+
+class SdpaBackend:
+    """The CPU attention path behind the interface the model runner uses (stage, then finish)."""
+
+    name = "sdpa"
+
+    def __init__(self, block_size: int, arange: torch.Tensor) -> None:
+        self.block_size = block_size
+        self.arange = arange  # a device arange long enough for any row's keys
+
+    def stage(self, rows: list[BatchRow], num_decode_rows: int, staging) -> StagedMetadata:
+        return stage_metadata(rows, num_decode_rows, staging, self.block_size)
+
+    def finish(self, staged: StagedMetadata, slot_mapping: torch.Tensor, staging) -> AttentionMetadata:
+        return staged.finish(slot_mapping, staging, self.block_size, self.arange)

@@ -110,8 +110,8 @@ def random_text_requests(
             else:
                 ids = encoded + pool[rng.integers(0, pool.size, size=target - len(encoded))].tolist()
         text = tokenizer.decode(ids)
-        n = len(tokenizer.encode(text, add_special_tokens=False))
-        requests.append(SampleRequest(prompt=text, prompt_len=n, expected_output_len=req.expected_output_len))
+        prompt_len = len(tokenizer.encode(text, add_special_tokens=False))
+        requests.append(SampleRequest(prompt=text, prompt_len=prompt_len, expected_output_len=req.expected_output_len))
     return requests
 
 
@@ -131,8 +131,8 @@ def load_jsonl_requests(
     if not path.is_file():
         raise ValueError(f"dataset_path must be an existing JSONL file, got {str(path)!r}")
     requests: list[SampleRequest] = []
-    with path.open() as f:
-        for lineno, line in enumerate(f, 1):
+    with path.open() as lines:
+        for lineno, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             try:
@@ -142,12 +142,12 @@ def load_jsonl_requests(
             out_len = int(row.get("output_len", row.get("max_tokens", default_output_len)))
             check_field(out_len >= 1, f"dataset_path line {lineno} output_len", out_len, "must be >= 1")
             if "prompt_token_ids" in row:
-                ids = [int(t) for t in row["prompt_token_ids"]]
+                ids = [int(token_id) for token_id in row["prompt_token_ids"]]
                 requests.append(SampleRequest(prompt=ids, prompt_len=len(ids), expected_output_len=out_len))
             elif isinstance(row.get("prompt"), str):
                 text = row["prompt"]
-                n = len(tokenizer.encode(text, add_special_tokens=False)) if tokenizer is not None else 0
-                requests.append(SampleRequest(prompt=text, prompt_len=n, expected_output_len=out_len))
+                prompt_len = len(tokenizer.encode(text, add_special_tokens=False)) if tokenizer is not None else 0
+                requests.append(SampleRequest(prompt=text, prompt_len=prompt_len, expected_output_len=out_len))
             else:
                 raise ValueError(f"dataset_path line {lineno} needs a 'prompt' string or 'prompt_token_ids' list")
             if num is not None and len(requests) >= num:
@@ -155,5 +155,5 @@ def load_jsonl_requests(
     check_field(len(requests) > 0, "dataset_path", str(path), "holds no prompt")
     if num is not None and len(requests) < num:
         # Cycle the file so --num-prompts means the same thing for every dataset.
-        requests = [requests[i % len(requests)] for i in range(num)]
+        requests = [requests[index % len(requests)] for index in range(num)]
     return requests

@@ -2,7 +2,8 @@
 continuous batching (its ContinuousBatchingManager, which takes a max_new_tokens per request).
 
 Both ignore EOS so every request produces exactly its output budget, like the stepahead run they are
-compared with; the figures count only the tokens each request asked for.
+compared with; the figures count only the tokens each request asked for. `generate_batch` needs
+transformers' ContinuousBatchingConfig (tested with 5.17 and 5.24).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from stepahead.bench.datasets import SampleRequest
 from stepahead.bench.report import TokenRates
+from stepahead.utils import cdiv
 
 
 @dataclass
@@ -49,16 +51,16 @@ def load_hf_model(model: str | None, load_format: str = "auto"):
     folder = path.parent if gguf_file else path
     config = transformers.AutoConfig.from_pretrained(folder, gguf_file=gguf_file)
     if load_format != "dummy" and gguf_file is None:
-        hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        hf_model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     else:
-        hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        hf_model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         if load_format != "dummy":
             from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-            tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=hf)["tensors"]
-            hf.load_state_dict({k: torch.as_tensor(v) for k, v in tensors.items()}, strict=False)
-            hf.tie_weights()
-    return hf.eval()
+            tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=hf_model)["tensors"]
+            hf_model.load_state_dict({name: torch.as_tensor(value) for name, value in tensors.items()}, strict=False)
+            hf_model.tie_weights()
+    return hf_model.eval()
 
 
 def run_generate(hf_model, requests: list[SampleRequest], batch_size: int, pad_token_id: int = 0) -> BaselineResult:
@@ -75,25 +77,26 @@ def run_generate(hf_model, requests: list[SampleRequest], batch_size: int, pad_t
         first = torch.tensor([list(requests[0].prompt[:8])])
         hf_model.generate(first, attention_mask=torch.ones_like(first), max_new_tokens=2, do_sample=False,
                           eos_token_id=None, pad_token_id=pad_token_id)
-    t0 = time.perf_counter()
+    started = time.perf_counter()
     produced = 0
     with torch.inference_mode():
-        for i in range(0, len(requests), batch_size):
-            batch = requests[i:i + batch_size]
-            width = max(r.prompt_len for r in batch)
+        for batch_start in range(0, len(requests), batch_size):
+            batch = requests[batch_start:batch_start + batch_size]
+            width = max(request.prompt_len for request in batch)
             ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
             mask = torch.zeros_like(ids)
-            for row, r in enumerate(batch):
-                ids[row, width - r.prompt_len:] = torch.tensor(r.prompt)
-                mask[row, width - r.prompt_len:] = 1
-            new = max(r.expected_output_len for r in batch)
-            out = hf_model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                                    do_sample=False, eos_token_id=None, pad_token_id=pad_token_id)
-            got = out.shape[1] - width
-            produced += sum(min(got, r.expected_output_len) for r in batch)
-    elapsed = time.perf_counter() - t0
+            for row, request in enumerate(batch):
+                ids[row, width - request.prompt_len:] = torch.tensor(request.prompt)
+                mask[row, width - request.prompt_len:] = 1
+            new_tokens = max(request.expected_output_len for request in batch)
+            generated = hf_model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
+                                          min_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
+                                          pad_token_id=pad_token_id)
+            got = generated.shape[1] - width
+            produced += sum(min(got, request.expected_output_len) for request in batch)
+    elapsed = time.perf_counter() - started
     return BaselineResult(f"transformers generate (static batches of {batch_size})", elapsed, len(requests),
-                          sum(r.prompt_len for r in requests), produced)
+                          sum(request.prompt_len for request in requests), produced)
 
 
 def run_generate_batch(hf_model, requests: list[SampleRequest], max_batch_tokens: int) -> BaselineResult:
@@ -104,30 +107,53 @@ def run_generate_batch(hf_model, requests: list[SampleRequest], max_batch_tokens
     """
     import transformers
 
+    if not hasattr(transformers, "ContinuousBatchingConfig"):
+        raise RuntimeError(f"transformers {transformers.__version__} has no ContinuousBatchingConfig; the generate_batch "
+                           "baseline needs a newer one (5.17 and 5.24 are tested)")
     gen_config = transformers.GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0,
-                                               max_new_tokens=max(r.expected_output_len for r in requests))
-    page = transformers.ContinuousBatchingConfig().page_size
-    blocks = sum(-(-(r.prompt_len + r.expected_output_len) // page) for r in requests) + len(requests)
-    cb_config = transformers.ContinuousBatchingConfig(num_blocks=blocks, max_batch_tokens=max_batch_tokens)
+                                               max_new_tokens=max(request.expected_output_len for request in requests))
+    page_tokens = cache_page_tokens()
+    num_blocks = sum(cdiv(request.prompt_len + request.expected_output_len, page_tokens)
+                     for request in requests) + len(requests)
+    cb_config = transformers.ContinuousBatchingConfig(num_blocks=num_blocks, max_batch_tokens=max_batch_tokens)
     manager = hf_model.init_continuous_batching(generation_config=gen_config, continuous_batching_config=cb_config)
     manager.start()
     try:
         # The manager sizes its cache and warms up on the first request: keep that out of the timing.
         _wait_all(manager, {manager.add_request(list(requests[0].prompt[:8]), request_id="warmup", max_new_tokens=2,
                                                 eos_token_id=-1): 2})
-        t0 = time.perf_counter()
-        ids = [manager.add_request(list(r.prompt), request_id=f"r{i}", max_new_tokens=r.expected_output_len,
-                                   eos_token_id=-1) for i, r in enumerate(requests)]
-        produced = _wait_all(manager, {rid: r.expected_output_len for rid, r in zip(ids, requests, strict=True)})
-        elapsed = time.perf_counter() - t0
+        started = time.perf_counter()
+        ids = [manager.add_request(list(request.prompt), request_id=f"r{index}",
+                                   max_new_tokens=request.expected_output_len, eos_token_id=-1)
+               for index, request in enumerate(requests)]
+        budgets = {request_id: request.expected_output_len for request_id, request in zip(ids, requests, strict=True)}
+        produced = _wait_all(manager, budgets)
+        elapsed = time.perf_counter() - started
     finally:
         manager.stop(block=True)
     return BaselineResult("transformers generate_batch (continuous batching)", elapsed, len(requests),
-                          sum(r.prompt_len for r in requests), produced)
+                          sum(request.prompt_len for request in requests), produced)
+
+
+def cache_page_tokens() -> int:
+    """Tokens per page of generate_batch's paged cache: the `page_size` field in newer transformers
+    (5.24 has it, with `block_size` a deprecated alias that defaults to None), `block_size` in older
+    ones (5.17)."""
+    import transformers
+
+    defaults = transformers.ContinuousBatchingConfig()
+    page_size = getattr(defaults, "page_size", None)
+    return page_size if page_size is not None else defaults.block_size
+
+
+# transformers 5.17 sizes a CPU cache by psutil's free-memory figure, which it takes as 0 without psutil.
+_PSUTIL_HINT = " (psutil is not installed: older transformers need it to size generate_batch's cache on CPU)"
 
 
 def _wait_all(manager, budget: dict[str, int]) -> int:
     """Block until every request id in budget has finished; returns the tokens produced within budget."""
+    from transformers.utils import is_psutil_available
+
     produced, pending = 0, set(budget)
     while pending:
         # get_result(request_id=...) re-queues other requests' results; read them all as they come.
@@ -137,7 +163,8 @@ def _wait_all(manager, budget: dict[str, int]) -> int:
                 raise RuntimeError(f"transformers generate_batch stopped with {len(pending)} requests pending")
             continue
         if result.error:
-            raise RuntimeError(f"transformers generate_batch failed on {result.request_id}: {result.error}")
+            raise RuntimeError(f"transformers generate_batch failed on {result.request_id}: {result.error}"
+                               f"{_PSUTIL_HINT if not is_psutil_available() else ''}")
         if result.is_finished() and result.request_id in pending:
             pending.discard(result.request_id)
             produced += min(len(result.generated_tokens), budget[result.request_id])

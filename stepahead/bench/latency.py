@@ -17,8 +17,8 @@ import numpy as np
 
 from stepahead.bench.datasets import random_token_requests
 from stepahead.bench.report import distribution_ms
-from stepahead.bench.throughput import add_output_args, drain_spans, emit_outputs, make_llm, mode_label
-from stepahead.bench.trace import Span
+from stepahead.bench.throughput import add_output_args, drain_events, emit_outputs, make_llm, mode_label
+from stepahead.tracing import TraceEvent
 
 
 @dataclass
@@ -38,19 +38,20 @@ class WorkerStep:
         return self.end - self.start
 
 
-def worker_steps(spans: list[Span]) -> list[WorkerStep]:
+def worker_steps(events: list[TraceEvent]) -> list[WorkerStep]:
     """Group the worker lane into steps: prepare_inputs, forward, sample (in that order, one of each)."""
-    steps, cur = [], {}
-    for s in (s for s in spans if s.lane == "worker"):
-        if s.name == "prepare_inputs":
-            cur = {"prepare_inputs": s}
-        elif s.name in ("forward", "sample") and cur:
-            cur[s.name] = s
-            if s.name == "sample" and "forward" in cur:
-                p = cur["prepare_inputs"]
-                steps.append(WorkerStep(p.start, cur["forward"].start, s.end, int(p.args.get("num_reqs", 0)),
-                                        int(p.args.get("num_tokens", 0))))
-                cur = {}
+    steps: list[WorkerStep] = []
+    current: dict[str, TraceEvent] = {}  # the events of the step being read, by name
+    for event in (event for event in events if event.lane == "worker"):
+        if event.name == "prepare_inputs":
+            current = {"prepare_inputs": event}
+        elif event.name in ("forward", "sample") and current:
+            current[event.name] = event
+            if event.name == "sample" and "forward" in current:
+                prepare = current["prepare_inputs"]
+                steps.append(WorkerStep(prepare.start, current["forward"].start, event.end,
+                                        int(prepare.args.get("num_reqs", 0)), int(prepare.args.get("num_tokens", 0))))
+                current = {}
     return steps
 
 
@@ -61,13 +62,13 @@ def step_figures(runs: list[list[WorkerStep]]) -> dict:
     """
     periods: dict[str, list[float]] = {"prefill": [], "decode": []}
     for steps in runs:
-        for a, b in zip(steps, steps[1:], strict=False):
-            periods["decode" if a.is_decode else "prefill"].append(b.forward_start - a.forward_start)
-    out = {}
+        for step, next_step in zip(steps, steps[1:], strict=False):
+            periods["decode" if step.is_decode else "prefill"].append(next_step.forward_start - step.forward_start)
+    figures = {}
     for phase in ("prefill", "decode"):
-        durations = [s.duration for steps in runs for s in steps if s.is_decode == (phase == "decode")]
-        out[phase] = {"worker_step": distribution_ms(durations), "step_period": distribution_ms(periods[phase])}
-    return out
+        durations = [step.duration for steps in runs for step in steps if step.is_decode == (phase == "decode")]
+        figures[phase] = {"worker_step": distribution_ms(durations), "step_period": distribution_ms(periods[phase])}
+    return figures
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -98,36 +99,36 @@ def main(ns: argparse.Namespace) -> int:
         vocab = llm.config.model_config.vocab_size
         special = list(getattr(llm.get_tokenizer(), "all_special_ids", []) or [])
         params = SamplingParams(max_tokens=ns.output_len, temperature=ns.temperature, ignore_eos=True)
-        for i in range(ns.num_iters_warmup + ns.num_iters):
+        for iteration in range(ns.num_iters_warmup + ns.num_iters):
             # A new seed per batch: no prefix-cache hit from the previous iteration.
-            reqs = random_token_requests(ns.batch_size, (ns.input_len,) * 2, (ns.output_len,) * 2, vocab,
-                                         ns.seed + i, special)
-            drain_spans(llm)
-            t0 = time.perf_counter()
-            llm.generate([r.engine_prompt() for r in reqs], params, use_tqdm=False)
-            elapsed = time.perf_counter() - t0
-            spans = drain_spans(llm)
-            if i >= ns.num_iters_warmup:
+            requests = random_token_requests(ns.batch_size, (ns.input_len,) * 2, (ns.output_len,) * 2, vocab,
+                                             ns.seed + iteration, special)
+            drain_events(llm)
+            started = time.perf_counter()
+            llm.generate([request.engine_prompt() for request in requests], params, use_tqdm=False)
+            elapsed = time.perf_counter() - started
+            events = drain_events(llm)
+            if iteration >= ns.num_iters_warmup:
                 latencies.append(elapsed)
-                steps.append(worker_steps(spans))
-                last_spans = spans
+                steps.append(worker_steps(events))
+                last_events = events
     finally:
         llm.shutdown()
-    lat = np.asarray(latencies)
-    percentiles = {p: float(np.percentile(lat, p)) for p in (10, 25, 50, 75, 90, 99)}
+    latency_s = np.asarray(latencies)
+    percentiles = {percent: float(np.percentile(latency_s, percent)) for percent in (10, 25, 50, 75, 90, 99)}
     figures = step_figures(steps)
     print(f"[{label}] batch {ns.batch_size} x ({ns.input_len} in, {ns.output_len} out), {ns.num_iters} iterations")
-    print(f"Avg latency: {lat.mean():.4f} seconds")
-    print(f"Std latency: {lat.std():.4f} seconds")
-    for p, v in percentiles.items():
-        print(f"{p}% percentile latency: {v:.4f} seconds")
-    for phase, f in figures.items():
-        w, per = f["worker_step"], f["step_period"]
-        print(f"{phase:>7} steps: {w['count']:4d}  worker step mean {w['mean_ms']:.2f} / median {w['median_ms']:.2f} "
-              f"/ p99 {w['p99_ms']:.2f} ms;  step period mean {per['mean_ms']:.2f} / median "
-              f"{per['median_ms']:.2f} / p99 {per['p99_ms']:.2f} ms")
-    run = _LatencyRun(label, last_spans, float(lat[-1]))
-    summary = {"avg_latency": float(lat.mean()), "std_latency": float(lat.std()), "latencies": latencies,
+    print(f"Avg latency: {latency_s.mean():.4f} seconds")
+    print(f"Std latency: {latency_s.std():.4f} seconds")
+    for percent, value in percentiles.items():
+        print(f"{percent}% percentile latency: {value:.4f} seconds")
+    for phase, phase_figures in figures.items():
+        worker, period = phase_figures["worker_step"], phase_figures["step_period"]
+        print(f"{phase:>7} steps: {worker['count']:4d}  worker step mean {worker['mean_ms']:.2f} / median "
+              f"{worker['median_ms']:.2f} / p99 {worker['p99_ms']:.2f} ms;  step period mean {period['mean_ms']:.2f} "
+              f"/ median {period['median_ms']:.2f} / p99 {period['p99_ms']:.2f} ms")
+    run = _LatencyRun(label, last_events, float(latency_s[-1]))
+    summary = {"avg_latency": float(latency_s.mean()), "std_latency": float(latency_s.std()), "latencies": latencies,
                "percentiles": percentiles, "steps": figures}
     emit_outputs(ns, "latency", engine_args, {"runs": [run], "summary": summary})
     return 0
@@ -135,10 +136,10 @@ def main(ns: argparse.Namespace) -> int:
 
 @dataclass
 class _LatencyRun:
-    """The last iteration, in the shape emit_outputs reads (label, spans, to_dict, plot_label)."""
+    """The last iteration, in the shape emit_outputs reads (label, events, to_dict, plot_label)."""
 
     label: str
-    spans: list[Span]
+    events: list[TraceEvent]
     elapsed_s: float
 
     def plot_label(self) -> str:

@@ -19,9 +19,10 @@ matplotlib.use("Agg")  # files only; never a display
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from stepahead.bench.trace import LANES, Span, busy_seconds, forward_spans  # noqa: E402
+from stepahead.bench.trace import busy_seconds, forward_events  # noqa: E402
+from stepahead.tracing import LANES, TraceEvent  # noqa: E402
 
-# Fixed colours for the spans the engine emits; anything else takes the next colour of the cycle.
+# Fixed colours for the events the engine and worker emit; anything else takes the next colour of the cycle.
 KNOWN_COLORS = {
     "schedule": "#4c72b0",
     "update_from_output": "#dd8452",
@@ -48,18 +49,18 @@ class Window:
         return self.end - self.start
 
 
-def steady_window(spans: Sequence[Span], num_steps: int) -> Window:
+def steady_window(events: Sequence[TraceEvent], num_steps: int) -> Window:
     """num_steps consecutive forward passes centred in the run (skips start-up and drain)."""
-    fwd = forward_spans(spans)
-    if not fwd:
-        raise ValueError("trace has no worker 'forward' span: was the engine built with trace=True?")
-    n = max(1, min(num_steps, len(fwd)))
-    first = max(0, (len(fwd) - n) // 2)
-    chosen = fwd[first:first + n]
+    forwards = forward_events(events)
+    if not forwards:
+        raise ValueError("trace has no worker 'forward' event: was the engine built with trace=True?")
+    shown_steps = max(1, min(num_steps, len(forwards)))
+    first = max(0, (len(forwards) - shown_steps) // 2)
+    chosen = forwards[first:first + shown_steps]
     # Start a little before the first forward so the engine work that prepared it shows.
-    step = chosen[-1].end - chosen[0].start
-    lead = step / (2 * n) if n > 1 else chosen[0].duration * 0.25
-    return Window(chosen[0].start - lead, chosen[-1].end, n)
+    span_s = chosen[-1].end - chosen[0].start
+    lead_s = span_s / (2 * shown_steps) if shown_steps > 1 else chosen[0].duration * 0.25
+    return Window(chosen[0].start - lead_s, chosen[-1].end, shown_steps)
 
 
 def _color_for(name: str, assigned: dict[str, str]) -> str:
@@ -69,34 +70,34 @@ def _color_for(name: str, assigned: dict[str, str]) -> str:
 
 
 def plot_timelines(
-    runs: Sequence[tuple[str, Sequence[Span]]],
+    runs: Sequence[tuple[str, Sequence[TraceEvent]]],
     path: str | Path,
     num_steps: int = 8,
     title: str | None = None,
 ) -> Path:
     """Draw each run's engine and worker lanes over num_steps steady-state steps into a PNG.
 
-    Spans shorter than MIN_VISIBLE of the axis are drawn at that width (busy figures use true times).
+    Events shorter than MIN_VISIBLE of the axis are drawn at that width (busy figures use true times).
     """
     if not runs:
         raise ValueError("plot_timelines needs at least one run")
-    windows = [steady_window(spans, num_steps) for _, spans in runs]
-    xmax_ms = max(w.length for w in windows) * 1e3
+    windows = [steady_window(events, num_steps) for _, events in runs]
+    xmax_ms = max(window.length for window in windows) * 1e3
     fig, axes = plt.subplots(len(runs), 1, figsize=(12, 1.9 * len(runs) + 0.8), squeeze=False)
     colors: dict[str, str] = {}
-    for ax, (label, spans), win in zip(axes[:, 0], runs, windows, strict=True):
+    for ax, (label, events), window in zip(axes[:, 0], runs, windows, strict=True):
         for row, lane in enumerate(reversed(LANES)):  # worker at the bottom, engine on top
-            for s in spans:
-                if s.lane != lane or s.end < win.start or s.start > win.end:
+            for event in events:
+                if event.lane != lane or event.end < window.start or event.start > window.end:
                     continue
-                a, b = max(s.start, win.start), min(s.end, win.end)
-                # Spans under 0.2% of the axis are widened to that, or sub-millisecond engine work
+                start, end = max(event.start, window.start), min(event.end, window.end)
+                # Events under 0.2% of the axis are widened to that, or sub-millisecond engine work
                 # next to a 600 ms forward pass would not show at all.
-                width = max((b - a) * 1e3, MIN_VISIBLE * xmax_ms)
-                ax.broken_barh([((a - win.start) * 1e3, width)], (row - 0.35, 0.7),
-                               facecolors=_color_for(s.name, colors), edgecolor="white", linewidth=0.3)
-        busy = busy_seconds(spans, "worker", win.start, win.end) / win.length if win.length > 0 else 0.0
-        ms_per_step = win.length * 1e3 / win.num_steps
+                width_ms = max((end - start) * 1e3, MIN_VISIBLE * xmax_ms)
+                ax.broken_barh([((start - window.start) * 1e3, width_ms)], (row - 0.35, 0.7),
+                               facecolors=_color_for(event.name, colors), edgecolor="white", linewidth=0.3)
+        busy = busy_seconds(events, "worker", window.start, window.end) / window.length if window.length > 0 else 0.0
+        ms_per_step = window.length * 1e3 / window.num_steps
         ax.set_title(f"{label}: worker busy {busy:.0%} of the window, {ms_per_step:.1f} ms/step",
                      loc="left", fontsize=10)
         ax.set_yticks(range(len(LANES)), list(reversed(LANES)))
@@ -104,7 +105,7 @@ def plot_timelines(
         ax.set_xlim(0, xmax_ms)
         ax.grid(axis="x", alpha=0.3)
     axes[-1, 0].set_xlabel("time in window (ms)")
-    handles = [Patch(color=c, label=n) for n, c in colors.items()]
+    handles = [Patch(color=color, label=name) for name, color in colors.items()]
     fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 7), fontsize=9, frameon=False)
     if title:
         fig.suptitle(title, fontsize=11)

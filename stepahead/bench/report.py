@@ -88,8 +88,9 @@ def distribution_ms(values_s: list[float], percentiles=(50, 90, 99)) -> dict:
     """mean / median / std / percentiles in milliseconds of a list of seconds (zeros when empty)."""
     if not values_s:
         return {"count": 0, "mean_ms": 0.0, "median_ms": 0.0, "std_ms": 0.0,
-                **{f"p{p}_ms": 0.0 for p in percentiles}}
-    a = np.asarray(values_s, dtype=np.float64) * 1e3
-    out = {"count": int(a.size), "mean_ms": float(a.mean()), "median_ms": float(np.median(a)), "std_ms": float(a.std())}
-    out.update({f"p{p}_ms": float(np.percentile(a, p)) for p in percentiles})
-    return out
+                **{f"p{percent}_ms": 0.0 for percent in percentiles}}
+    values_ms = np.asarray(values_s, dtype=np.float64) * 1e3
+    figures = {"count": int(values_ms.size), "mean_ms": float(values_ms.mean()),
+               "median_ms": float(np.median(values_ms)), "std_ms": float(values_ms.std())}
+    figures.update({f"p{percent}_ms": float(np.percentile(values_ms, percent)) for percent in percentiles})
+    return figures

@@ -1,10 +1,11 @@
 """`stepahead bench serve`: an asyncio load generator for any OpenAI-compatible server.
 
-It mirrors `vllm bench serve` (serving-conventions.md §3.1): streamed requests with
-stream_options.include_usage, Poisson or gamma arrivals at --request-rate, a --max-concurrency
-semaphore, vLLM's metric definitions, printout and result-file keys. Token counts come from the
-usage chunk. One difference, on purpose: a streamed chunk counts as a token event only when it
-carries text, so a chat server's role-only first chunk does not pass for the first token.
+It mirrors `vllm bench serve`: streamed requests with stream_options.include_usage, Poisson or
+gamma arrivals at --request-rate, a --max-concurrency semaphore, vLLM's metric definitions, printout
+and result-file keys. Without --model it sends the server's first model of /v1/models, and without
+--tokenizer it builds prompts with that model's tokenizer, as vLLM's client does. Token counts come
+from the usage chunk. One difference, on purpose: a streamed chunk counts as a token event only when
+it carries text, so a chat server's role-only first chunk does not pass for the first token.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -63,17 +65,17 @@ async def send_request(client, url: str, payload: dict, headers: dict, req: Samp
     """Stream one request; time the first text chunk (TTFT) and each gap after it (ITL)."""
     import httpx
 
-    r = RequestResult(prompt_len=req.prompt_len)
+    result = RequestResult(prompt_len=req.prompt_len)
     text: list[str] = []
-    st = time.perf_counter()
-    r.start_time = last = st
+    started = time.perf_counter()
+    result.start_time = last = started
     try:
-        async with client.stream("POST", url, json=payload, headers=headers) as resp:
-            if resp.status_code != 200:
-                body = (await resp.aread()).decode(errors="replace")
-                r.error = f"HTTP {resp.status_code}: {body[:500]}"
-                return r
-            async for line in resp.aiter_lines():
+        async with client.stream("POST", url, json=payload, headers=headers) as response:
+            if response.status_code != 200:
+                body = (await response.aread()).decode(errors="replace")
+                result.error = f"HTTP {response.status_code}: {body[:500]}"
+                return result
+            async for line in response.aiter_lines():
                 line = line.strip()
                 if not line or line.startswith(":"):
                     continue
@@ -83,30 +85,30 @@ async def send_request(client, url: str, payload: dict, headers: dict, req: Samp
                 now = time.perf_counter()
                 data = json.loads(data_str)
                 if "error" in data and not data.get("choices"):
-                    r.error = f"stream error: {data['error']}"
-                    return r
-                piece = "".join(_chunk_text(c) for c in data.get("choices") or [])
+                    result.error = f"stream error: {data['error']}"
+                    return result
+                piece = "".join(_chunk_text(choice) for choice in data.get("choices") or [])
                 if piece:
-                    if r.ttft == 0.0:
-                        r.ttft = now - st
+                    if result.ttft == 0.0:
+                        result.ttft = now - started
                     else:
-                        r.itl.append(now - last)
+                        result.itl.append(now - last)
                     last = now
                     text.append(piece)
                 usage = data.get("usage")
                 if usage:
-                    r.output_tokens = int(usage.get("completion_tokens") or 0)
-                    r.prompt_len = int(usage.get("prompt_tokens") or r.prompt_len)
+                    result.output_tokens = int(usage.get("completion_tokens") or 0)
+                    result.prompt_len = int(usage.get("prompt_tokens") or result.prompt_len)
     except (httpx.HTTPError, json.JSONDecodeError) as e:
-        r.error = f"{type(e).__name__}: {e}"
-        return r
-    r.generated_text = "".join(text)
-    if r.ttft == 0.0:
-        r.error = "Never received a valid chunk to calculate TTFT."
-        return r
-    r.latency = last - st
-    r.success = True
-    return r
+        result.error = f"{type(e).__name__}: {e}"
+        return result
+    result.generated_text = "".join(text)
+    if result.ttft == 0.0:
+        result.error = "Never received a valid chunk to calculate TTFT."
+        return result
+    result.latency = last - started
+    result.success = True
+    return result
 
 
 # -- the run -----------------------------------------------------------------------------------------------
@@ -127,7 +129,7 @@ async def run_requests(ns, url: str, model: str, requests: list[SampleRequest], 
     import httpx
 
     limit = ns.max_concurrency or len(requests)
-    sem = asyncio.Semaphore(limit)
+    semaphore = asyncio.Semaphore(limit)
     timeout = httpx.Timeout(6 * 3600.0, connect=30.0)
     bar = None
     if progress:
@@ -136,51 +138,83 @@ async def run_requests(ns, url: str, model: str, requests: list[SampleRequest], 
         bar = tqdm(total=len(requests), desc="requests", unit="req")
 
     async def one(client, req):
-        async with sem:
-            res = await send_request(client, url, build_payload(ns, model, req), headers, req)
+        async with semaphore:
+            result = await send_request(client, url, build_payload(ns, model, req), headers, req)
         if bar is not None:
             bar.update(1)
-        return res
+        return result
 
     async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=limit + 4)) as client:
-        t0 = time.perf_counter()
+        started = time.perf_counter()
         tasks = []
         for req, gap in zip(requests, gaps, strict=True):
             if gap > 0:
                 await asyncio.sleep(gap)
             tasks.append(asyncio.create_task(one(client, req)))
         results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - t0
+        duration = time.perf_counter() - started
     if bar is not None:
         bar.close()
     return list(results), duration
 
 
-def resolve_model(base_url: str, model: str | None, headers: dict) -> str:
-    if model:
-        return model
+def resolve_model(base_url: str, model: str | None, headers: dict) -> tuple[str, str | None]:
+    """The model name to send, and where the server loaded it from (its "root" in /v1/models, or None).
+
+    Without --model: the server's first model, as vLLM's client.
+    """
     import httpx
 
     try:
-        resp = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=30.0)
-        resp.raise_for_status()
-        return resp.json()["data"][0]["id"]
-    except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
-        raise ValueError(f"model not given and {base_url}/v1/models did not name one: {e}") from e
+        response = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=30.0)
+        response.raise_for_status()
+        cards = list(response.json()["data"])
+        if model is None:
+            model = cards[0]["id"]
+    except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError) as e:
+        if model is None:
+            raise ValueError(f"model not given and {base_url}/v1/models did not name one: {e}") from e
+        cards = []  # a server without /v1/models: the given name is all there is
+    root = next((card.get("root") for card in cards if isinstance(card, dict) and card.get("id") == model), None)
+    return model, root
 
 
-def load_tokenizer(path: str | None):
-    """A tokenizer for text prompts: a folder, a .gguf file, or (None) the built-in model's."""
+def load_local_tokenizer(source: str) -> Any | None:
+    """The tokenizer of a local folder, a .gguf file or a model in the local Hugging Face cache; None if
+    there is none (no model hub is asked)."""
     import transformers
 
-    from stepahead.models.loader import builtin_model_path
+    path = Path(source)
+    if path.suffix == ".gguf":
+        return transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name) if path.is_file() else None
+    try:
+        return transformers.AutoTokenizer.from_pretrained(source, local_files_only=True)
+    except OSError:  # not a folder, not cached, or not a valid model id
+        return None
 
-    p = Path(path or builtin_model_path())
-    if p.suffix == ".gguf":
-        return transformers.AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
-    if not p.exists():
-        raise ValueError(f"tokenizer must be a local folder or .gguf file (no model hub here), got {str(p)!r}")
-    return transformers.AutoTokenizer.from_pretrained(p)
+
+def prompt_tokenizer(tokenizer_flag: str | None, model: str, root: str | None) -> tuple[Any, str]:
+    """The tokenizer to build prompts with, and where it came from.
+
+    --tokenizer when given; else the served model's name, then its root (as vLLM's client, which uses
+    the model name). Raises ValueError, in one line, when none of them holds a tokenizer.
+    """
+    if tokenizer_flag is not None:
+        tokenizer = load_local_tokenizer(tokenizer_flag)
+        if tokenizer is None:
+            raise ValueError(f"tokenizer {tokenizer_flag!r} is not a local folder, .gguf file or cached model")
+        return tokenizer, tokenizer_flag
+    tried = []
+    for what, source in (("the served model's name", model), ("its root on the server", root)):
+        if source is None or any(source == tried_source for _, tried_source in tried):
+            continue
+        tokenizer = load_local_tokenizer(source)
+        if tokenizer is not None:
+            return tokenizer, source
+        tried.append((what, source))
+    attempts = " and ".join(f"{what} {source!r}" for what, source in tried)
+    raise ValueError(f"tokenizer not found: tried {attempts} (not a local folder, .gguf file or cached model); "
+                     "pass --tokenizer FOLDER (or FILE.gguf)")
 
 
 def build_requests(ns, tokenizer) -> list[SampleRequest]:
@@ -209,24 +243,24 @@ def validate(ns) -> None:
         raise ValueError("dataset_name jsonl needs --dataset-path")
     if ns.prompt_format == "token-ids" and ns.endpoint == "/v1/chat/completions":
         raise ValueError("prompt_format token-ids needs endpoint /v1/completions (chat messages are text)")
-    bad = [m for m in ns.percentile_metrics.split(",") if m not in METRICS]
-    if bad:
-        raise ValueError(f"percentile_metrics must be a comma list of {METRICS}, got {bad}")
+    unknown = [metric for metric in ns.percentile_metrics.split(",") if metric not in METRICS]
+    if unknown:
+        raise ValueError(f"percentile_metrics must be a comma list of {METRICS}, got {unknown}")
 
 
 def main(ns: argparse.Namespace) -> int:
     validate(ns)
     base_url = (ns.base_url or f"http://{ns.host}:{ns.port}").rstrip("/")
     headers = {"Authorization": f"Bearer {os.environ['OPENAI_API_KEY']}"} if os.environ.get("OPENAI_API_KEY") else {}
-    model = resolve_model(base_url, ns.model, headers)
-    tokenizer = load_tokenizer(ns.tokenizer)
+    model, root = resolve_model(base_url, ns.model, headers)
+    tokenizer, tokenizer_source = prompt_tokenizer(ns.tokenizer, model, root)
     requests = build_requests(ns, tokenizer)
     url = base_url + ns.endpoint
     selected = ns.percentile_metrics.split(",")
     percentiles = [float(p) for p in ns.metric_percentiles.split(",")]
     if ns.num_warmups > 0:
         print(f"Warming up with {ns.num_warmups} requests...")
-        warm = [requests[i % len(requests)] for i in range(ns.num_warmups)]
+        warm = [requests[index % len(requests)] for index in range(ns.num_warmups)]
         asyncio.run(run_requests(ns, url, model, warm, headers, np.zeros(len(warm)), False))
     print(f"Traffic request rate: {ns.request_rate}; burstiness: {ns.burstiness}; "
           f"maximum request concurrency: {ns.max_concurrency}")
@@ -234,29 +268,31 @@ def main(ns: argparse.Namespace) -> int:
     results, duration = asyncio.run(run_requests(ns, url, model, requests, headers, gaps, not ns.disable_tqdm))
     metrics = compute_metrics(results, duration, percentiles, selected)
     print(format_result(metrics, ns.max_concurrency, ns.request_rate, percentiles, selected))
-    errors = [r.error for r in results if not r.success]
+    errors = [result.error for result in results if not result.success]
     if errors:
         print(f"first error: {errors[0]}")
     if ns.save_result or ns.result_filename:
-        save(ns, model, metrics, results)
+        save(ns, model, tokenizer_source, metrics, results)
     return 0 if metrics["completed"] > 0 else 1
 
 
-def save(ns, model: str, metrics: dict, results: list[RequestResult]) -> Path:
+def save(ns, model: str, tokenizer_source: str, metrics: dict, results: list[RequestResult]) -> Path:
     rate = "inf" if ns.request_rate == float("inf") else ns.request_rate
     payload = {"date": time.strftime("%Y%m%d-%H%M%S"), "date_utc": now_utc(), "endpoint_type": "openai",
                "backend": "openai-chat" if "chat" in ns.endpoint else "openai", "label": ns.label,
-               "model_id": model, "tokenizer_id": ns.tokenizer or "built-in", "num_prompts": len(results),
+               "model_id": model, "tokenizer_id": tokenizer_source, "num_prompts": len(results),
                "request_rate": rate, "burstiness": ns.burstiness, "max_concurrency": ns.max_concurrency, **metrics}
     if ns.save_detailed:
-        payload.update(input_lens=[r.prompt_len for r in results], output_lens=[r.output_tokens for r in results],
-                       ttfts=[r.ttft for r in results], itls=[r.itl for r in results],
-                       start_times=[r.start_time for r in results],
-                       generated_texts=[r.generated_text for r in results], errors=[r.error for r in results])
+        payload.update(input_lens=[result.prompt_len for result in results],
+                       output_lens=[result.output_tokens for result in results],
+                       ttfts=[result.ttft for result in results], itls=[result.itl for result in results],
+                       start_times=[result.start_time for result in results],
+                       generated_texts=[result.generated_text for result in results],
+                       errors=[result.error for result in results])
     name = ns.result_filename
     if not name:
-        conc = f"-concurrency{ns.max_concurrency}" if ns.max_concurrency else ""
-        name = f"{ns.label or 'openai'}-{rate}qps{conc}-{Path(model).name}-{payload['date']}.json"
+        concurrency = f"-concurrency{ns.max_concurrency}" if ns.max_concurrency else ""
+        name = f"{ns.label or 'openai'}-{rate}qps{concurrency}-{Path(model).name}-{payload['date']}.json"
     path = write_json(Path(ns.result_dir or ".") / name, payload)
     print(f"result: {path}")
     return path
@@ -270,7 +306,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--endpoint", default="/v1/completions", choices=ENDPOINTS)
     g.add_argument("--model", default=None, help="model name sent in requests (default: the server's first)")
     g.add_argument("--tokenizer", default=None,
-                   help="local folder or .gguf for building prompts (default: the built-in model's)")
+                   help="local folder, .gguf file or cached model id for building prompts (default: the served "
+                        "model's, found by its name or its root in /v1/models)")
     g = p.add_argument_group("dataset")
     g.add_argument("--dataset-name", default="random", choices=["random", "jsonl"],
                    help="random prompts, or jsonl (with --dataset-path)")

@@ -31,108 +31,109 @@ LABELS = {"ttft": ("Time to First Token", "TTFT"), "tpot": ("Time per Output Tok
 def compute_metrics(results: Sequence[RequestResult], duration: float, percentiles: Sequence[float],
                     selected: Sequence[str]) -> dict:
     """vLLM's result dict for the completed requests of one run (keys as in its --save-result file)."""
-    ok = [r for r in results if r.success]
-    total_in = sum(r.prompt_len for r in ok)
-    total_out = sum(r.output_tokens for r in ok)
+    completed = [result for result in results if result.success]
+    total_in = sum(result.prompt_len for result in completed)
+    total_out = sum(result.output_tokens for result in completed)
     samples = {
-        "ttft": [r.ttft for r in ok],
-        "tpot": [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1],
-        "itl": [x for r in ok for x in r.itl],
-        "e2el": [r.latency for r in ok],
+        "ttft": [result.ttft for result in completed],
+        "tpot": [(result.latency - result.ttft) / (result.output_tokens - 1) for result in completed
+                 if result.output_tokens > 1],
+        "itl": [gap for result in completed for gap in result.itl],
+        "e2el": [result.latency for result in completed],
     }
-    out = {
+    metrics = {
         "duration": duration,
-        "completed": len(ok),
-        "failed": len(results) - len(ok),
+        "completed": len(completed),
+        "failed": len(results) - len(completed),
         "total_input_tokens": total_in,
         "total_output_tokens": total_out,
-        "request_throughput": len(ok) / duration if duration > 0 else 0.0,
+        "request_throughput": len(completed) / duration if duration > 0 else 0.0,
         "request_goodput": None,  # vLLM's key; no --goodput SLOs here
         "output_throughput": total_out / duration if duration > 0 else 0.0,
         "total_token_throughput": (total_in + total_out) / duration if duration > 0 else 0.0,
-        "max_output_tokens_per_s": peak_output_tokens_per_s(ok),
-        "max_concurrent_requests": peak_concurrency(ok),
+        "max_output_tokens_per_s": peak_output_tokens_per_s(completed),
+        "max_concurrent_requests": peak_concurrency(completed),
     }
     for name in METRICS:
-        a = np.asarray(samples[name] or [0.0], dtype=np.float64) * 1e3
+        values_ms = np.asarray(samples[name] or [0.0], dtype=np.float64) * 1e3
         if name not in selected:
             continue
-        out[f"mean_{name}_ms"] = float(a.mean())
-        out[f"median_{name}_ms"] = float(np.median(a))
-        out[f"std_{name}_ms"] = float(a.std())
-        for p in percentiles:
-            out[f"p{_pct_name(p)}_{name}_ms"] = float(np.percentile(a, p))
-    return out
+        metrics[f"mean_{name}_ms"] = float(values_ms.mean())
+        metrics[f"median_{name}_ms"] = float(np.median(values_ms))
+        metrics[f"std_{name}_ms"] = float(values_ms.std())
+        for percent in percentiles:
+            metrics[f"p{_pct_name(percent)}_{name}_ms"] = float(np.percentile(values_ms, percent))
+    return metrics
 
 
-def _pct_name(p: float) -> str:
-    return str(int(p)) if float(p).is_integer() else str(p)
+def _pct_name(percent: float) -> str:
+    return str(int(percent)) if float(percent).is_integer() else str(percent)
 
 
-def token_times(r: RequestResult) -> list[float]:
+def token_times(result: RequestResult) -> list[float]:
     """Absolute times of the token chunks of one request (first token, then each ITL gap)."""
-    t = r.start_time + r.ttft
-    times = [t]
-    for gap in r.itl:
-        t += gap
-        times.append(t)
+    now = result.start_time + result.ttft
+    times = [now]
+    for gap in result.itl:
+        now += gap
+        times.append(now)
     return times
 
 
-def peak_output_tokens_per_s(ok: Sequence[RequestResult]) -> float:
+def peak_output_tokens_per_s(completed: Sequence[RequestResult]) -> float:
     """Most token chunks in any whole second of the run (vLLM counts one token per chunk here too)."""
-    if not ok:
+    if not completed:
         return 0.0
-    t0 = min(r.start_time for r in ok)
-    buckets: dict[int, int] = {}
-    for r in ok:
-        for t in token_times(r):
-            b = int(t - t0)
-            buckets[b] = buckets.get(b, 0) + 1
-    return float(max(buckets.values()))
+    run_start = min(result.start_time for result in completed)
+    chunks_per_second: dict[int, int] = {}
+    for result in completed:
+        for when in token_times(result):
+            second = int(when - run_start)
+            chunks_per_second[second] = chunks_per_second.get(second, 0) + 1
+    return float(max(chunks_per_second.values()))
 
 
-def peak_concurrency(ok: Sequence[RequestResult]) -> int:
+def peak_concurrency(completed: Sequence[RequestResult]) -> int:
     """Sweep line over [start, start + latency] intervals."""
-    edges = sorted([(r.start_time, 1) for r in ok] + [(r.start_time + r.latency, -1) for r in ok],
-                   key=lambda e: (e[0], e[1]))
-    cur = best = 0
-    for _, d in edges:
-        cur += d
-        best = max(best, cur)
-    return best
+    edges = sorted([(result.start_time, 1) for result in completed]
+                   + [(result.start_time + result.latency, -1) for result in completed])
+    running = peak = 0
+    for _, change in edges:
+        running += change
+        peak = max(peak, running)
+    return peak
 
 
-def format_result(m: dict, max_concurrency: int | None, request_rate: float, percentiles: Sequence[float],
+def format_result(metrics: dict, max_concurrency: int | None, request_rate: float, percentiles: Sequence[float],
                   selected: Sequence[str]) -> str:
     """vLLM's printout: labels left-justified to 40 characters, values with two decimals."""
     def row(label: str, value) -> str:
-        v = f"{value:<10.2f}" if isinstance(value, float) else f"{value:<10}"
-        return f"{label:<40}{v}"
+        shown = f"{value:<10.2f}" if isinstance(value, float) else f"{value:<10}"
+        return f"{label:<40}{shown}"
 
     lines = ["{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=50, c="=")]
-    lines.append(row("Successful requests:", m["completed"]))
-    lines.append(row("Failed requests:", m["failed"]))
+    lines.append(row("Successful requests:", metrics["completed"]))
+    lines.append(row("Failed requests:", metrics["failed"]))
     if max_concurrency is not None:
         lines.append(row("Maximum request concurrency:", max_concurrency))
     if request_rate != float("inf"):
         lines.append(row("Request rate configured (RPS):", float(request_rate)))
-    lines.append(row("Benchmark duration (s):", m["duration"]))
-    lines.append(row("Total input tokens:", m["total_input_tokens"]))
-    lines.append(row("Total generated tokens:", m["total_output_tokens"]))
-    lines.append(row("Request throughput (req/s):", m["request_throughput"]))
-    lines.append(row("Output token throughput (tok/s):", m["output_throughput"]))
-    lines.append(row("Peak output token throughput (tok/s):", m["max_output_tokens_per_s"]))
-    lines.append(row("Peak concurrent requests:", m["max_concurrent_requests"]))
-    lines.append(row("Total token throughput (tok/s):", m["total_token_throughput"]))
+    lines.append(row("Benchmark duration (s):", metrics["duration"]))
+    lines.append(row("Total input tokens:", metrics["total_input_tokens"]))
+    lines.append(row("Total generated tokens:", metrics["total_output_tokens"]))
+    lines.append(row("Request throughput (req/s):", metrics["request_throughput"]))
+    lines.append(row("Output token throughput (tok/s):", metrics["output_throughput"]))
+    lines.append(row("Peak output token throughput (tok/s):", metrics["max_output_tokens_per_s"]))
+    lines.append(row("Peak concurrent requests:", metrics["max_concurrent_requests"]))
+    lines.append(row("Total token throughput (tok/s):", metrics["total_token_throughput"]))
     for name in METRICS:
         if name not in selected:
             continue
         header, short = LABELS[name]
         lines.append("{s:{c}^{n}}".format(s=header, n=50, c="-"))
-        lines.append(row(f"Mean {short} (ms):", m[f"mean_{name}_ms"]))
-        lines.append(row(f"Median {short} (ms):", m[f"median_{name}_ms"]))
-        for p in percentiles:
-            lines.append(row(f"P{_pct_name(p)} {short} (ms):", m[f"p{_pct_name(p)}_{name}_ms"]))
+        lines.append(row(f"Mean {short} (ms):", metrics[f"mean_{name}_ms"]))
+        lines.append(row(f"Median {short} (ms):", metrics[f"median_{name}_ms"]))
+        for percent in percentiles:
+            lines.append(row(f"P{_pct_name(percent)} {short} (ms):", metrics[f"p{_pct_name(percent)}_{name}_ms"]))
     lines.append("=" * 50)
     return "\n".join(lines)

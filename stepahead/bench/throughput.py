@@ -27,9 +27,10 @@ from stepahead.bench.report import (
     now_utc,
     write_json,
 )
-from stepahead.bench.trace import Span, to_spans
+from stepahead.bench.trace import by_start
 from stepahead.engine.arg_utils import EngineArgs
 from stepahead.outputs import EngineStats
+from stepahead.tracing import TraceEvent
 
 
 @dataclass
@@ -46,17 +47,17 @@ class RunResult(TokenRates):
     preemptions: int
     stop_finishes: int  # requests finished by EOS or a stop token
     round: int = 0
-    spans: list[Span] = field(default_factory=list, repr=False)
+    events: list[TraceEvent] = field(default_factory=list, repr=False)  # the run's trace, when recorded
 
     @property
     def utilization(self) -> float:
         return self.busy_s / self.wall_s if self.wall_s > 0 else 0.0
 
     def to_dict(self) -> dict:
-        d = {k: v for k, v in dataclasses.asdict(self).items() if k != "spans"}
-        d.update(output_tok_s=self.output_tok_s, total_tok_s=self.total_tok_s, utilization=self.utilization,
-                 requests_per_s=self.num_requests / self.elapsed_s)
-        return d
+        figures = {name: value for name, value in dataclasses.asdict(self).items() if name != "events"}
+        figures.update(output_tok_s=self.output_tok_s, total_tok_s=self.total_tok_s, utilization=self.utilization,
+                       requests_per_s=self.num_requests / self.elapsed_s)
+        return figures
 
     def plot_label(self) -> str:
         return f"{self.label} ({self.output_tok_s:.0f} tok/s, utilization {self.utilization:.0%})"
@@ -95,22 +96,22 @@ def mode_label(llm) -> str:
     return "async" if depth == 2 else f"async-depth{depth}"
 
 
-def drain_spans(llm) -> list[Span]:
-    """The engine's trace events since the last drain, read from the engine core (LLM exposes no accessor)."""
-    core = llm.engine_core
-    return to_spans(core.drain_trace_events()) if core.config.trace else []
+def drain_events(llm) -> list[TraceEvent]:
+    """The engine's trace events since the last drain, in time order ([] when tracing is off)."""
+    return by_start(llm.drain_trace_events()) if llm.config.trace else []
 
 
 def workload(llm, ns) -> list[SampleRequest]:
     """Random token ids (nano-vllm's protocol), or --dataset-path prompts turned into token ids."""
-    tok = llm.get_tokenizer()
+    tokenizer = llm.get_tokenizer()
     if getattr(ns, "dataset_path", None):
-        rows = load_jsonl_requests(ns.dataset_path, ns.num_prompts, ns.output_len[1], tok)
+        rows = load_jsonl_requests(ns.dataset_path, ns.num_prompts, ns.output_len[1], tokenizer)
         # Token ids for every engine alike; the text may hold a chat template's special tokens.
-        return [r if not isinstance(r.prompt, str) else
-                SampleRequest(ids := tok.encode(r.prompt, add_special_tokens=False), len(ids), r.expected_output_len)
-                for r in rows]
-    special = list(getattr(tok, "all_special_ids", []) or [])
+        return [row if not isinstance(row.prompt, str) else
+                SampleRequest(ids := tokenizer.encode(row.prompt, add_special_tokens=False), len(ids),
+                              row.expected_output_len)
+                for row in rows]
+    special = list(getattr(tokenizer, "all_special_ids", []) or [])
     return random_token_requests(ns.num_prompts, ns.input_len, ns.output_len, llm.config.model_config.vocab_size,
                                  ns.seed, special)
 
@@ -118,8 +119,8 @@ def workload(llm, ns) -> list[SampleRequest]:
 def sampling_params(requests: list[SampleRequest], temperature: float, ignore_eos: bool):
     from stepahead.sampling_params import SamplingParams
 
-    return [SamplingParams(max_tokens=r.expected_output_len, temperature=temperature, ignore_eos=ignore_eos)
-            for r in requests]
+    return [SamplingParams(max_tokens=request.expected_output_len, temperature=temperature, ignore_eos=ignore_eos)
+            for request in requests]
 
 
 def warm_up(llm, requests: list[SampleRequest]) -> None:
@@ -128,27 +129,27 @@ def warm_up(llm, requests: list[SampleRequest]) -> None:
 
     llm.generate({"prompt_token_ids": list(requests[0].prompt[:16])}, SamplingParams(max_tokens=4, ignore_eos=True),
                  use_tqdm=False)
-    drain_spans(llm)
+    drain_events(llm)
 
 
 def run_once(llm, label: str, requests: list[SampleRequest], params, use_tqdm: bool = False,
              round_index: int = 0) -> RunResult:
-    drain_spans(llm)
+    drain_events(llm)
     before: EngineStats = llm.stats()
-    t0 = time.perf_counter()
-    outs = llm.generate([r.engine_prompt() for r in requests], params, use_tqdm=use_tqdm)
-    elapsed = time.perf_counter() - t0
+    started = time.perf_counter()
+    outputs = llm.generate([request.engine_prompt() for request in requests], params, use_tqdm=use_tqdm)
+    elapsed = time.perf_counter() - started
     after: EngineStats = llm.stats()
     stops = after.finished_by_reason.get("stop", 0) - before.finished_by_reason.get("stop", 0)
     return RunResult(
-        label=label, elapsed_s=elapsed, num_requests=len(outs),
-        prompt_tokens=sum(len(o.prompt_token_ids) for o in outs),
-        output_tokens=sum(len(c.token_ids) for o in outs for c in o.outputs),
+        label=label, elapsed_s=elapsed, num_requests=len(outputs),
+        prompt_tokens=sum(len(output.prompt_token_ids) for output in outputs),
+        output_tokens=sum(len(completion.token_ids) for output in outputs for completion in output.outputs),
         forward_steps=after.forward_steps - before.forward_steps,
         wasted_request_steps=after.wasted_request_steps - before.wasted_request_steps,
         busy_s=after.busy_s - before.busy_s, wall_s=after.wall_s - before.wall_s,
         preemptions=after.preemptions - before.preemptions, stop_finishes=stops,
-        round=round_index, spans=drain_spans(llm),
+        round=round_index, events=drain_events(llm),
     )
 
 
@@ -161,11 +162,12 @@ def run_single(ns, engine_args: EngineArgs, tracing: bool) -> dict:
         requests = workload(llm, ns)
         warm_up(llm, requests)
         label = mode_label(llm)
-        res = run_once(llm, label, requests, sampling_params(requests, ns.temperature, ns.ignore_eos), ns.progress)
+        result = run_once(llm, label, requests, sampling_params(requests, ns.temperature, ns.ignore_eos),
+                          ns.progress)
     finally:
         llm.shutdown()
-    print(res.line())
-    return {"runs": [res], "summary": res.to_dict()}
+    print(result.line())
+    return {"runs": [result], "summary": result.to_dict()}
 
 
 def run_compare_sync(ns, engine_args: EngineArgs, tracing: bool) -> dict:
@@ -179,17 +181,19 @@ def run_compare_sync(ns, engine_args: EngineArgs, tracing: bool) -> dict:
         runs: list[RunResult] = []
         ratios = []
         started = time.perf_counter()
-        for i in range(ns.rounds):
+        for round_index in range(ns.rounds):
             spent = time.perf_counter() - started
-            if i > 0 and ns.time_budget and spent * (i + 1) / i > ns.time_budget:
-                print(f"stopping after {i} of {ns.rounds} rounds: another would pass --time-budget {ns.time_budget:g} s")
+            if round_index > 0 and ns.time_budget and spent * (round_index + 1) / round_index > ns.time_budget:
+                print(f"stopping after {round_index} of {ns.rounds} rounds: another would pass --time-budget "
+                      f"{ns.time_budget:g} s")
                 break
             # Alternate which mode goes first so slow drift of a shared machine hits both alike.
-            order = ("async", "sync") if i % 2 == 0 else ("sync", "async")
-            pair = {m: run_once(engines[m], m, requests, params, ns.progress, i + 1) for m in order}
+            order = ("async", "sync") if round_index % 2 == 0 else ("sync", "async")
+            pair = {mode: run_once(engines[mode], mode, requests, params, ns.progress, round_index + 1)
+                    for mode in order}
             runs += [pair["sync"], pair["async"]]
             ratios.append(pair["async"].output_tok_s / pair["sync"].output_tok_s)
-            print(f"round {i + 1}/{ns.rounds}", flush=True)
+            print(f"round {round_index + 1}/{ns.rounds}", flush=True)
             print("  " + pair["sync"].line())
             print("  " + pair["async"].line())
             print(f"  async / sync output throughput: {ratios[-1]:.3f}")
@@ -198,11 +202,11 @@ def run_compare_sync(ns, engine_args: EngineArgs, tracing: bool) -> dict:
             llm.shutdown()
     summary = {
         mode: {
-            "output_tok_s_median": statistics.median(r.output_tok_s for r in runs if r.label == mode),
-            "total_tok_s_median": statistics.median(r.total_tok_s for r in runs if r.label == mode),
-            "utilization_median": statistics.median(r.utilization for r in runs if r.label == mode),
-            "wasted_request_steps": [r.wasted_request_steps for r in runs if r.label == mode],
-            "preemptions": [r.preemptions for r in runs if r.label == mode],
+            "output_tok_s_median": statistics.median(run.output_tok_s for run in runs if run.label == mode),
+            "total_tok_s_median": statistics.median(run.total_tok_s for run in runs if run.label == mode),
+            "utilization_median": statistics.median(run.utilization for run in runs if run.label == mode),
+            "wasted_request_steps": [run.wasted_request_steps for run in runs if run.label == mode],
+            "preemptions": [run.preemptions for run in runs if run.label == mode],
         }
         for mode in ("sync", "async")
     }
@@ -232,15 +236,16 @@ def run_compare_transformers(ns, engine_args: EngineArgs, tracing: bool) -> dict
     finally:
         llm.shutdown()
     print(ours.line())
-    hf = load_hf_model(engine_args.model, engine_args.load_format).to(device=device, dtype=getattr(torch, dtype))
-    batch = ns.hf_batch_size or min(engine_args.max_num_seqs, len(requests))
-    baselines = [run_generate(hf, requests, batch), run_generate_batch(hf, requests, step_tokens)]
-    for b in baselines:
-        print(b.line())
-    summary = {"stepahead": ours.to_dict(), "transformers": [b.to_dict() for b in baselines],
-               "ratios": {b.name: ours.output_tok_s / b.output_tok_s for b in baselines}}
-    for name, r in summary["ratios"].items():
-        print(f"stepahead / {name}: {r:.2f}x")
+    hf_model = load_hf_model(engine_args.model, engine_args.load_format).to(device=device,
+                                                                            dtype=getattr(torch, dtype))
+    batch_size = ns.hf_batch_size or min(engine_args.max_num_seqs, len(requests))
+    baselines = [run_generate(hf_model, requests, batch_size), run_generate_batch(hf_model, requests, step_tokens)]
+    for baseline in baselines:
+        print(baseline.line())
+    summary = {"stepahead": ours.to_dict(), "transformers": [baseline.to_dict() for baseline in baselines],
+               "ratios": {baseline.name: ours.output_tok_s / baseline.output_tok_s for baseline in baselines}}
+    for name, ratio in summary["ratios"].items():
+        print(f"stepahead / {name}: {ratio:.2f}x")
     return {"runs": [ours], "summary": summary}
 
 
@@ -301,38 +306,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def emit_outputs(ns, kind: str, engine_args: EngineArgs, result: dict) -> None:
     """--json, --trace and --plot from a result's runs (the last run of each label)."""
     last: dict[str, RunResult] = {}
-    for r in result["runs"]:
-        last[r.label] = r
+    for run in result["runs"]:
+        last[run.label] = run
     # Sync above async, so the idle gaps sit right over the solid lane.
-    timelines = [(lbl, r.spans) for lbl, r in sorted(last.items(), key=lambda kv: "async" in kv[0]) if r.spans]
+    timelines = [(label, run.events) for label, run in sorted(last.items(), key=lambda item: "async" in item[0])
+                 if run.events]
     if timelines:
         from stepahead.bench.trace import worker_gaps
 
         result["summary"]["worker_gaps"] = {}
-        for lbl, spans in timelines:
-            gaps = worker_gaps(spans)
-            result["summary"]["worker_gaps"][lbl] = gaps
-            shown = ", ".join(f"{k} {v['median_ms']:.2f}" for k, v in sorted(gaps.items()) if v["count"] > 1)
-            print(f"worker idle gaps in the last {lbl} run, median ms: {shown}")
+        for label, events in timelines:
+            gaps = worker_gaps(events)
+            result["summary"]["worker_gaps"][label] = gaps
+            shown = ", ".join(f"{transition} {figures['median_ms']:.2f}"
+                              for transition, figures in sorted(gaps.items()) if figures["count"] > 1)
+            print(f"worker idle gaps in the last {label} run, median ms: {shown}")
     if ns.trace_file and timelines:
-        from stepahead.bench.trace import write_trace
+        from stepahead.engine.chrome_trace import write_trace
 
         print(f"trace: {write_trace(ns.trace_file, timelines)}")
     if ns.plot and timelines:
         from stepahead.bench.plot import plot_timelines
 
-        titled = [(last[lbl].plot_label(), s) for lbl, s in timelines]
+        titled = [(last[label].plot_label(), events) for label, events in timelines]
         print(f"plot: {plot_timelines(titled, ns.plot, ns.plot_steps, title=f'stepahead bench {kind}')}")
     if ns.json:
         payload = {"benchmark": kind, "date": now_utc(), "command": command_line(), "machine": machine_info(),
                    "engine_args": engine_args_dict(engine_args), "workload": _workload_dict(ns),
-                   "runs": [r.to_dict() for r in result["runs"]], "summary": result["summary"]}
+                   "runs": [run.to_dict() for run in result["runs"]], "summary": result["summary"]}
         print(f"json: {write_json(ns.json, payload)}")
 
 
 def _workload_dict(ns) -> dict:
-    keys = ("num_prompts", "dataset_path", "input_len", "output_len", "temperature", "ignore_eos", "seed", "compare", "rounds")
-    return {k: getattr(ns, k) for k in keys if hasattr(ns, k)}
+    keys = ("num_prompts", "dataset_path", "input_len", "output_len", "temperature", "ignore_eos", "seed", "compare",
+            "rounds")
+    return {key: getattr(ns, key) for key in keys if hasattr(ns, key)}
 
 
 def main(ns: argparse.Namespace) -> int:

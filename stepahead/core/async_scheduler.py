@@ -1,8 +1,10 @@
-"""AsyncScheduler: schedules step N+1 before step N's output is known (the seed's mechanism).
+"""AsyncScheduler: schedules step N+1 before step N's output is known.
 
 Exactly two hooks differ from the synchronous Scheduler: after scheduling, every request that will
 sample gets a placeholder for the token it is about to produce; when the real token arrives, the
-placeholder is redeemed and the prefix cache advances to the real-token frontier comp - ph.
+placeholder is redeemed and the prefix cache advances to the real-token frontier
+num_computed_tokens - num_output_placeholders (docs/design.md, "Placeholders" and "The cacheable
+frontier").
 """
 
 from __future__ import annotations
@@ -13,22 +15,31 @@ from stepahead.request import Request, RequestStatus
 
 
 class AsyncScheduler(Scheduler):
+    """A Scheduler that runs one or more steps ahead of the model's outputs.
+
+    Owns nothing beyond the base class; it adds the placeholder bookkeeping. Guarantees, on top of
+    the base ones: for a running request that is not a prefill chunk,
+    num_tokens + num_output_placeholders == num_computed_tokens + 1 (I3); only blocks whose every
+    token is real are hashed (I5); a request is never scheduled past max_tokens (docs/design.md,
+    "The max_tokens guard"); a step whose grammar has not seen an in-flight token is flagged so its
+    sampling waits (docs/design.md, "Deferred sampling for grammars").
+    """
+
+    uses_placeholders = True
     num_sampled_tokens_per_step = 1
 
     def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
         super()._update_after_schedule(scheduler_output)
         requests = self.requests
-        spec = scheduler_output.scheduled_spec_decode_tokens
         pending = False
         for rid in scheduler_output.num_scheduled_tokens:
             req = requests[rid]
             if req.is_prefill_chunk:
                 continue  # nothing is sampled by a chunk that stops short of the known tokens
-            # The grammar has not seen the in-flight token yet: sampling must wait (seed, §2.8).
+            # The grammar has not seen the in-flight token yet: sampling must wait for it.
             if req.use_structured_output and req.num_output_placeholders > 0:
                 pending = True
-            drafts = spec.get(rid)
-            req.num_output_placeholders += self.num_sampled_tokens_per_step + (len(drafts) if drafts else 0)
+            req.num_output_placeholders += self.num_sampled_tokens_per_step
         scheduler_output.pending_structured_output_tokens |= pending
 
     def _update_request_with_output(

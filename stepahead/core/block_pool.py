@@ -1,4 +1,4 @@
-"""The paged KV block pool: free queue, ref counts and the prefix-cache hash map (engine-spec §1.4).
+"""The paged KV block pool: free queue, ref counts and the prefix-cache hash map.
 
 Block 0 is the null block: taken out of the free queue at init and never handed out or freed.
 A block whose ref count drops to 0 goes to the tail of the free queue but keeps its hash, so it can
@@ -61,9 +61,6 @@ class FreeBlockQueue:
         self.tail.prev_free = block
         self.num_free_blocks += 1
 
-    def contains(self, block: KVCacheBlock) -> bool:
-        return block.prev_free is not None
-
     def ids(self) -> list[int]:
         """Block ids from head (next to be reused) to tail; for tests and invariant checks."""
         out = []
@@ -101,11 +98,11 @@ class BlockPool:
             return None
         return next(iter(entry.values()))
 
-    def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
-        if n > self.free_block_queue.num_free_blocks:
-            raise ValueError(f"cannot get {n} blocks, only {self.free_block_queue.num_free_blocks} free")
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        if num_blocks > self.free_block_queue.num_free_blocks:
+            raise ValueError(f"cannot get {num_blocks} blocks, only {self.free_block_queue.num_free_blocks} free")
         out = []
-        for _ in range(n):
+        for _ in range(num_blocks):
             block = self.free_block_queue.popleft()
             if block.block_hash is not None:
                 self._evict(block)

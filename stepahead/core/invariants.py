@@ -1,62 +1,76 @@
-"""Checks of the engine-spec §2.3 invariants (DESIGN.md "Invariants").
+"""Checks of the scheduler's invariants (the table in docs/design.md, "Invariants").
 
 Used by the scheduler in debug mode (SchedulerConfig.debug_invariants) and by the tests after every
-operation. Each check raises AssertionError naming the invariant it found broken.
+operation. Each check raises AssertionError naming the invariant it found broken. The checks read
+the scheduler through SchedulerState, so this module imports no scheduler module.
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from typing import TYPE_CHECKING
+from collections import Counter, deque
+from typing import Protocol
 
+from stepahead.core.kv_cache import KVCacheManager
 from stepahead.core.sched_output import SchedulerOutput
-from stepahead.request import RequestStatus
+from stepahead.request import Request, RequestStatus
 
-if TYPE_CHECKING:
-    from stepahead.core.scheduler import Scheduler
+
+class SchedulerState(Protocol):
+    """What the checks read of a Scheduler."""
+
+    uses_placeholders: bool
+    max_num_scheduled_tokens: int
+    max_num_running_reqs: int
+    max_request_len: int
+    requests: dict[str, Request]
+    running: list[Request]
+    waiting: deque[Request]
+    skipped_waiting: deque[Request]
+    finished_req_ids: set[str]
+    finished_in_flight_tokens: dict[str, int]
+    kv_cache_manager: KVCacheManager
+    defer_block_free: bool
+    sched_step_seq: int
+    processed_step_seq: int
+    deferred_frees: deque[tuple[int, list]]
 
 
 def _fail(code: str, msg: str) -> None:
     raise AssertionError(f"invariant {code} broken: {msg}")
 
 
-def check_after_schedule(sched: Scheduler, out: SchedulerOutput) -> None:
-    """I4 and I9 for the step just scheduled, plus the global checks."""
-    total = sum(out.num_scheduled_tokens.values())
-    if total != out.total_num_scheduled_tokens:
-        _fail("I9", f"total {out.total_num_scheduled_tokens} != sum {total}")
+def check_after_schedule(sched: SchedulerState, scheduler_output: SchedulerOutput) -> None:
+    """I4 and I9 for the step just scheduled, P13, plus the global checks."""
+    total = sum(scheduler_output.num_scheduled_tokens.values())
+    if total != scheduler_output.total_num_scheduled_tokens:
+        _fail("I9", f"total {scheduler_output.total_num_scheduled_tokens} != sum {total}")
     if total > sched.max_num_scheduled_tokens:
         _fail("I9", f"{total} tokens scheduled > budget {sched.max_num_scheduled_tokens}")
     if len(sched.running) > sched.max_num_running_reqs:
         _fail("I9", f"{len(sched.running)} running > max_num_seqs {sched.max_num_running_reqs}")
-    for rid, n in out.num_scheduled_tokens.items():
+    for rid, num_scheduled in scheduler_output.num_scheduled_tokens.items():
         req = sched.requests[rid]
-        if n <= 0:
-            _fail("I9", f"{rid} scheduled for {n} tokens")
+        if num_scheduled <= 0:
+            _fail("I9", f"{rid} scheduled for {num_scheduled} tokens")
         if req.status != RequestStatus.RUNNING:
             _fail("I9", f"scheduled {req} is not RUNNING")
-        if req.num_computed_tokens > sched.max_model_len - 1:
-            _fail("I9", f"{req} computes past max_model_len - 1 = {sched.max_model_len - 1}")
-        ph_before_step = req.num_output_placeholders
-        if not req.is_prefill_chunk and _is_async(sched):
-            ph_before_step -= 1  # the placeholder this step just added
-        chunk = req.num_computed_tokens < req.num_tokens + ph_before_step
-        if chunk != req.is_prefill_chunk:
-            _fail("I4", f"is_prefill_chunk={req.is_prefill_chunk} but comp < ntok + ph is {chunk}: {req}")
-    if out.finished_req_ids is sched.finished_req_ids:
+        if req.num_computed_tokens > sched.max_request_len - 1:
+            _fail("I9", f"{req} computes past max_request_len - 1 = {sched.max_request_len - 1}")
+        placeholders_before_step = req.num_output_placeholders
+        if not req.is_prefill_chunk and sched.uses_placeholders:
+            placeholders_before_step -= 1  # the placeholder this step just added
+        is_chunk = req.num_computed_tokens < req.num_tokens + placeholders_before_step
+        if is_chunk != req.is_prefill_chunk:
+            _fail("I4", f"is_prefill_chunk={req.is_prefill_chunk} but computed < num_tokens + placeholders "
+                        f"is {is_chunk}: {req}")
+    if scheduler_output.finished_req_ids is sched.finished_req_ids:
         _fail("P13", "finished_req_ids handed to an output is still the scheduler's live set")
     check_scheduler(sched)
 
 
-def _is_async(sched: Scheduler) -> bool:
-    from stepahead.core.async_scheduler import AsyncScheduler
-
-    return isinstance(sched, AsyncScheduler)
-
-
-def check_scheduler(sched: Scheduler, in_flight: list[SchedulerOutput] | None = None) -> None:
+def check_scheduler(sched: SchedulerState, in_flight: list[SchedulerOutput] | None = None) -> None:
     """Per-request counters (I1, I3, I7), queues, I2/I12 against in_flight if given, then the KV pool."""
-    is_async = _is_async(sched)
+    uses_placeholders = sched.uses_placeholders
     queued = Counter(id(r) for r in (*sched.running, *sched.waiting, *sched.skipped_waiting))
     if len(queued) != len(sched.requests) or any(c != 1 for c in queued.values()):
         _fail("queues", "every unfinished request must sit in exactly one of running/waiting/skipped")
@@ -66,40 +80,43 @@ def check_scheduler(sched: Scheduler, in_flight: list[SchedulerOutput] | None = 
     for r in (*sched.waiting, *sched.skipped_waiting):
         if r.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             _fail("queues", f"{r} in waiting")
-    inflight_tokens: Counter[str] = Counter()
-    for so in in_flight or ():
-        inflight_tokens.update(so.num_scheduled_tokens)
+    in_flight_tokens: Counter[str] = Counter()
+    for scheduler_output in in_flight or ():
+        in_flight_tokens.update(scheduler_output.num_scheduled_tokens)
     for rid, req in sched.requests.items():
         if req.request_id != rid:
             _fail("requests", f"{rid} maps to {req}")
-        ph, stale, inflt = req.num_output_placeholders, req.num_stale_output_tokens, req.num_in_flight_tokens
-        if ph < 0 or stale < 0 or inflt < 0:
+        num_placeholders = req.num_output_placeholders
+        num_stale = req.num_stale_output_tokens
+        num_in_flight = req.num_in_flight_tokens
+        if num_placeholders < 0 or num_stale < 0 or num_in_flight < 0:
             _fail("I1", f"negative counter: {req}")
-        if not is_async and ph != 0:
+        if not uses_placeholders and num_placeholders != 0:
             _fail("I1", f"sync scheduler with placeholders: {req}")
-        if stale > inflt:
-            _fail("I7", f"stale > inflt: {req}")
+        if num_stale > num_in_flight:
+            _fail("I7", f"stale > in flight: {req}")
         if in_flight is not None:
             # A finished holder of the same id may still have steps in flight.
-            expected = inflight_tokens[rid] - sched._finished_in_flight.get(rid, 0)
-            if inflt != expected:
-                _fail("I2", f"inflt {inflt} != tokens of unprocessed steps {expected}: {req}")
+            expected = in_flight_tokens[rid] - sched.finished_in_flight_tokens.get(rid, 0)
+            if num_in_flight != expected:
+                _fail("I2", f"in flight {num_in_flight} != tokens of unprocessed steps {expected}: {req}")
         if req.status == RequestStatus.RUNNING and not req.is_prefill_chunk:
-            ntok, comp = req.num_tokens, req.num_computed_tokens
-            if is_async and ntok + ph != comp + 1:
-                _fail("I3", f"ntok + ph != comp + 1: {req}")
-            if not is_async and not (comp <= ntok <= comp + 1):
-                _fail("I3", f"sync: comp <= ntok <= comp + 1 fails: {req}")
-        if req.status != RequestStatus.RUNNING and ph != 0:
+            num_tokens, num_computed = req.num_tokens, req.num_computed_tokens
+            if uses_placeholders and num_tokens + num_placeholders != num_computed + 1:
+                _fail("I3", f"num_tokens + placeholders != computed + 1: {req}")
+            if not uses_placeholders and not (num_computed <= num_tokens <= num_computed + 1):
+                _fail("I3", f"sync: computed <= num_tokens <= computed + 1 fails: {req}")
+        if req.status != RequestStatus.RUNNING and num_placeholders != 0:
             _fail("I1", f"placeholders on a request that is not running: {req}")
     if in_flight is not None and sched.defer_block_free:
-        non_empty = sum(1 for so in in_flight if so.total_num_scheduled_tokens > 0)
-        if sched.sched_step_seq - sched.processed_step_seq != non_empty:
-            _fail("I12", f"seq gap {sched.sched_step_seq - sched.processed_step_seq} != {non_empty} in flight")
+        num_non_empty = sum(1 for s in in_flight if s.total_num_scheduled_tokens > 0)
+        seq_gap = sched.sched_step_seq - sched.processed_step_seq
+        if seq_gap != num_non_empty:
+            _fail("I12", f"seq gap {seq_gap} != {num_non_empty} in flight")
     check_kv(sched)
 
 
-def check_kv(sched: Scheduler) -> None:
+def check_kv(sched: SchedulerState) -> None:
     """I10 (block accounting, free-queue integrity) and I5 (only real-token blocks are hashed)."""
     kv = sched.kv_cache_manager
     pool = kv.block_pool
@@ -123,15 +140,15 @@ def check_kv(sched: Scheduler) -> None:
             _fail("I10", f"{block}: free-queue membership disagrees with ref_cnt")
     if len(free_set) + sum(1 for b in pool.blocks[1:] if b.ref_cnt > 0) != pool.num_usable_blocks:
         _fail("I10", "free + held + deferred != usable blocks")
-    for h, entry in pool.cached_block_hash_to_block.items():
-        for bid, block in entry.items():
-            if block.block_id != bid or block.block_hash != h:
-                _fail("I5", f"hash map entry {h}:{bid} -> {block}")
+    for block_hash, entry in pool.cached_block_hash_to_block.items():
+        for block_id, block in entry.items():
+            if block.block_id != block_id or block.block_hash != block_hash:
+                _fail("I5", f"hash map entry {block_hash}:{block_id} -> {block}")
     for rid, blocks in kv.req_to_blocks.items():
         req = sched.requests[rid]
-        full = req.num_tokens // kv.block_size
-        for i, block in enumerate(blocks):
+        num_full_blocks = req.num_tokens // kv.block_size
+        for index, block in enumerate(blocks):
             if block.block_hash is None:
                 continue
-            if i >= full or i >= len(req.block_hashes) or req.block_hashes[i] != block.block_hash:
-                _fail("I5", f"block {i} of {rid} is hashed but not a full block of real tokens")
+            if index >= num_full_blocks or index >= len(req.block_hashes) or req.block_hashes[index] != block.block_hash:
+                _fail("I5", f"block {index} of {rid} is hashed but not a full block of real tokens")

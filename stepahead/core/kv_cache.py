@@ -1,9 +1,9 @@
 """KVCacheManager: per-request block tables over a BlockPool, with chained-hash prefix caching.
 
-Semantics follow engine-spec §1.4: a prefix lookup is capped at num_tokens - 1 (one token is always
-recomputed so logits exist), hit blocks are touched before new blocks are popped (a request never
-evicts its own hits), an allocation that does not fit returns None and changes nothing, and a
-request's blocks are freed in reverse order so its tail is evicted first.
+A prefix lookup is capped at num_tokens - 1 (one token is always recomputed so logits exist), hit
+blocks are touched before new blocks are popped (a request never evicts its own hits), an
+allocation that does not fit returns None and changes nothing, and a request's blocks are freed in
+reverse order so its tail is evicted first.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from stepahead.config import CacheConfig
 from stepahead.core.block_pool import BlockPool, KVCacheBlock
 from stepahead.request import Request
+from stepahead.utils import cdiv
 
 
 def _none_hash() -> int:
@@ -55,6 +56,14 @@ def update_block_hashes(request: Request, block_size: int) -> list[int]:
 
 
 class KVCacheManager:
+    """Owns the block pool and every request's block table; the scheduler asks it for room.
+
+    Guarantees: an allocation either fits entirely or changes nothing (returns None); only full
+    blocks of real tokens are hashed into the prefix cache, because callers pass a token count that
+    excludes placeholders (docs/design.md, "The cacheable frontier"); a freed request's blocks go
+    back tail first, so the blocks least likely to be shared are evicted first.
+    """
+
     def __init__(self, cache_config: CacheConfig, max_model_len: int) -> None:
         self.block_size = cache_config.block_size
         self.enable_caching = cache_config.enable_prefix_caching
@@ -139,7 +148,6 @@ class KVCacheManager:
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
         new_computed_blocks: list[KVCacheBlock] | None = None,
-        num_lookahead_tokens: int = 0,
     ) -> Sequence[KVCacheBlock] | None:
         """Make room for num_new_tokens more tokens; returns the newly popped blocks, or None.
 
@@ -149,10 +157,10 @@ class KVCacheManager:
         rid = request.request_id
         hits = new_computed_blocks or ()
         total_computed = min(request.num_computed_tokens + num_new_computed_tokens, self.max_model_len)
-        need_slots = min(total_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
+        need_slots = min(total_computed + num_new_tokens, self.max_model_len)
         held = self.req_to_blocks.get(rid)
         num_held = len(held) if held is not None else 0
-        num_new_blocks = max(-(-need_slots // self.block_size) - num_held - len(hits), 0)
+        num_new_blocks = max(cdiv(need_slots, self.block_size) - num_held - len(hits), 0)
         if not num_new_blocks and not hits:  # the decode fast path: the last block has room
             if self.enable_caching:
                 self.cache_blocks(request, min(total_computed + num_new_tokens, request.num_tokens))
@@ -185,14 +193,16 @@ class KVCacheManager:
             self.block_pool.free_blocks(blocks)
 
     def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:
-        """Drop the request's bookkeeping now; return its blocks (reverse order) still referenced."""
+        """Drop the request's bookkeeping now; return its blocks, tail first, still referenced.
+
+        The result is a new list: a caller may still hold the request's block table.
+        """
         rid = request.request_id
         self.num_cached_block.pop(rid, None)
         blocks = self.req_to_blocks.pop(rid, None)
         if not blocks:
             return []
-        blocks.reverse()
-        return blocks
+        return blocks[::-1]
 
     def free_blocks(self, ordered: list[KVCacheBlock]) -> None:
         self.block_pool.free_blocks(ordered)

@@ -1,7 +1,8 @@
-"""The whole scheduler <-> worker contract: plain data, no torch (engine-spec §1.9).
+"""The whole scheduler <-> worker contract: plain data, no torch.
 
-Everything here crosses process boundaries (pickled to the worker process, msgspec to the
-API server), so fields are ids, counts, block ids and diffs only.
+Everything here crosses process boundaries (pickled to the worker process, msgspec to the API
+server), so fields are ids, counts, block ids and diffs only (docs/design.md, "The scheduler-worker
+contract").
 """
 
 from __future__ import annotations
@@ -10,11 +11,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stepahead.sampling_params import SamplingParams
+from stepahead.tracing import TraceEvent
 
 
 @dataclass
 class NewRequestData:
-    """Sent once, when a request is first scheduled (or, with resumed=False, never again)."""
+    """Sent once, when a request is first scheduled (a resumed request comes as CachedRequestData)."""
 
     req_id: str
     prompt_token_ids: list[int]
@@ -27,18 +29,18 @@ class NewRequestData:
 class CachedRequestData:
     """Diffs for requests the worker already knows. Parallel lists over running-then-resumed requests.
 
+    No token ids travel for a running request: the worker feeds its own last sampled token.
     num_computed_tokens and num_output_tokens are the values before this step's increment.
     """
 
     req_ids: list[str] = field(default_factory=list)
     resumed_req_ids: set[str] = field(default_factory=set)
-    # Only for pipeline stages that cannot see the sampled token; empty lists otherwise.
-    new_token_ids: list[list[int]] = field(default_factory=list)
-    # Full token history, for requests the worker may not hold in its batch (resumed ones).
+    # Full token history, for requests the worker may not hold in its batch (resumed ones, and those
+    # not scheduled in the previous step).
     all_token_ids: dict[str, list[int]] = field(default_factory=dict)
     new_block_ids: list[list[int] | None] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
-    num_output_tokens: list[int] = field(default_factory=list)
+    num_output_tokens: list[int] = field(default_factory=list)  # real outputs + placeholders
 
     @property
     def num_reqs(self) -> int:
@@ -53,8 +55,10 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]
     preempted_req_ids: set[str] = field(default_factory=set)
-    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Some scheduled request samples under a grammar: the step needs a bitmask.
     has_structured_output_requests: bool = False
+    # Some grammar has not seen a token still in flight: sampling must wait for the previous step
+    # (docs/design.md, "Deferred sampling for grammars").
     pending_structured_output_tokens: bool = False
     step_id: int = 0  # the scheduler's step counter, for traces
 
@@ -81,11 +85,7 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # Worker-side accounting for EngineStats and traces.
     busy_s: float = 0.0
-    trace_events: list[dict[str, Any]] = field(default_factory=list)
-
-    @property
-    def req_id_to_index(self) -> dict[str, int]:
-        return {rid: i for i, rid in enumerate(self.req_ids)}
+    trace_events: list[TraceEvent] = field(default_factory=list)
 
     @staticmethod
     def empty() -> ModelRunnerOutput:

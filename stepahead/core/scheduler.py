@@ -1,25 +1,30 @@
 """The synchronous scheduler: schedule(), update_from_output(), preemption, stale output, frees.
 
-Follows engine-spec §2.1/§2.2 step by step. The async subclass changes only the two hooks
-_update_after_schedule and _update_request_with_output; everything else is shared. What a step
-decided is gathered in a StepPlan and turned into the worker's SchedulerOutput by step_plan.py.
+The async subclass changes only the two hooks _update_after_schedule and
+_update_request_with_output; everything else is shared. What a step decided is gathered in a
+StepPlan and turned into the worker's SchedulerOutput by step_plan.py.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from typing import Any, Protocol
 
 from stepahead.config import CacheConfig, SchedulerConfig
+from stepahead.core.invariants import check_after_schedule, check_scheduler
 from stepahead.core.kv_cache import KVCacheManager
 from stepahead.core.sched_output import EngineCoreOutput, GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from stepahead.core.step_plan import StepPlan, make_scheduler_output
 from stepahead.core.stop import check_stop
-from stepahead.request import Request, RequestStatus
+from stepahead.request import Request, RequestStatus, check_context_length
+from stepahead.utils import cdiv
+
+logger = logging.getLogger(__name__)
 
 
 class StructuredOutputBackend(Protocol):
-    """The grammar hook (§1.7). The scheduler works without one; requests then are not constrained."""
+    """The grammar hook. The scheduler works without one; requests then are not constrained."""
 
     def grammar_bitmask(self, requests: list[Request]) -> Any: ...
 
@@ -27,6 +32,21 @@ class StructuredOutputBackend(Protocol):
 
 
 class Scheduler:
+    """Decides, step by step, which requests run and for how many tokens; owns every unfinished request.
+
+    Owns the request queues (running, waiting, skipped_waiting), the KV cache manager and the
+    per-request counters. The caller hands every scheduled step's output to update_from_output
+    once, oldest first (checked in debug mode). Guarantees: each step respects the token budget,
+    max_num_seqs and the context length; each token reaches the caller once, in order, never after
+    its request finished; with deferred frees, blocks go back to the pool only when no unprocessed
+    step can still write them. This class schedules synchronously (one step at a time);
+    AsyncScheduler schedules ahead of the outputs with placeholders. The invariants it keeps are
+    listed in docs/design.md, "Invariants".
+    """
+
+    # Whether scheduled-but-unsampled tokens are counted as placeholders (docs/design.md, "Placeholders").
+    uses_placeholders: bool = False
+
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
@@ -35,6 +55,17 @@ class Scheduler:
         self.max_model_len = scheduler_config.max_model_len
         self.kv_cache_manager = KVCacheManager(cache_config, scheduler_config.max_model_len)
         self.structured_output_manager: StructuredOutputBackend | None = None
+        # The most tokens a request may hold: it computes at most this minus one positions, one KV
+        # slot each. A pool smaller than one max_model_len sequence lowers it, so a request that
+        # outgrows the pool finishes with "length" instead of preempting itself forever.
+        pool_tokens = self.kv_cache_manager.num_usable_blocks * cache_config.block_size
+        self.max_request_len = min(self.max_model_len, pool_tokens + 1)
+        if self.kv_cache_manager.num_usable_blocks < cdiv(self.max_model_len, cache_config.block_size):
+            logger.warning(
+                "The KV cache holds %d tokens (%d usable blocks of %d), less than one max_model_len (%d) "
+                "sequence; a request reaching %d tokens finishes with finish_reason 'length'.",
+                pool_tokens, self.kv_cache_manager.num_usable_blocks, cache_config.block_size,
+                self.max_model_len, self.max_request_len)
 
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -49,8 +80,9 @@ class Scheduler:
         self.num_wasted_request_steps = 0
         # Finished requests with steps still in flight: id -> their in-flight tokens. Lets those
         # steps' outputs be discarded even if the same id is re-added meanwhile.
-        self._finished_in_flight: dict[str, int] = {}
+        self.finished_in_flight_tokens: dict[str, int] = {}
 
+        # Deferred frees (docs/design.md, "Deferred frees and step fences").
         self.defer_block_free = cache_config.defer_block_free
         self.sched_step_seq = 0
         self.processed_step_seq = 0
@@ -70,19 +102,15 @@ class Scheduler:
 
     def _check_admissible(self, request: Request) -> None:
         """What the scheduler itself needs (the frontend's InputProcessor checks the prompt in full)."""
-        n = request.num_prompt_tokens
-        if n == 0:
+        num_prompt = request.num_prompt_tokens
+        if num_prompt == 0:
             raise ValueError("prompt_token_ids must not be empty")
-        if n >= self.max_model_len:
-            raise ValueError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, your request "
-                f"has {n} input tokens (prompt_token_ids must hold at most {self.max_model_len - 1}). "
-                f"Please reduce the length of the input messages."
-            )
+        # The scheduler caps a long max_tokens at the context instead of rejecting it.
+        check_context_length(num_prompt, self.max_model_len)
         usable = self.kv_cache_manager.num_usable_blocks * self.cache_config.block_size
-        if n + 1 > usable:
+        if num_prompt + 1 > usable:
             raise ValueError(
-                f"prompt_token_ids has {n} tokens, but the KV cache holds only {usable} tokens "
+                f"prompt_token_ids has {num_prompt} tokens, but the KV cache holds only {usable} tokens "
                 f"(num_blocks {self.cache_config.num_blocks} incl. the null block x block_size "
                 f"{self.cache_config.block_size}); raise num_kv_blocks"
             )
@@ -112,41 +140,41 @@ class Scheduler:
         if not plan.preempted:  # waiting requests never join a step that preempted
             self._schedule_waiting(plan)
         assert len(self.running) <= self.max_num_running_reqs
-        out = make_scheduler_output(plan, self.kv_cache_manager, self.prev_step_scheduled_req_ids,
-                                    self.finished_req_ids, self.reset_preempted_req_ids, self.current_step)
+        scheduler_output = make_scheduler_output(
+            plan, self.kv_cache_manager, self.prev_step_scheduled_req_ids, self.finished_req_ids,
+            self.reset_preempted_req_ids, self.current_step)
         self.prev_step_scheduled_req_ids = set(plan.num_scheduled)
-        if self.defer_block_free and out.total_num_scheduled_tokens > 0:
+        if self.defer_block_free and scheduler_output.total_num_scheduled_tokens > 0:
             self.sched_step_seq += 1
-        self._update_after_schedule(out)
+        self._update_after_schedule(scheduler_output)
         if self.debug_invariants:
-            from stepahead.core.invariants import check_after_schedule
-
-            self._debug_in_flight.append(out)
-            check_after_schedule(self, out)
-        return out
+            self._debug_in_flight.append(scheduler_output)
+            check_after_schedule(self, scheduler_output)
+        return scheduler_output
 
     def _schedule_running(self, plan: StepPlan) -> None:
         """Running requests, in admission order; preempts from the back when blocks run out."""
         kv = self.kv_cache_manager
-        max_model_len = self.max_model_len
+        max_request_len = self.max_request_len
         threshold = self.scheduler_config.long_prefill_token_threshold
         running = self.running
         i = 0
         while i < len(running) and plan.token_budget > 0:
             req = running[i]
-            ph = req.num_output_placeholders
-            comp = req.num_computed_tokens
-            # Async: the steps in flight already reach max_tokens; do not schedule past the end.
-            # engine-spec writes comp + 2 - ph (= ntok + 1), which assumes ph - 1 of the in-flight
-            # tokens are drafts. Without drafts every placeholder is a sure token, so ntok + ph is
-            # exact: identical at ph == 1 (depth 2), and no over-scheduling at depth > 2 either.
-            if ph > 0 and req.num_tokens + ph >= req.num_prompt_tokens + req.max_tokens:
+            num_placeholders = req.num_output_placeholders
+            num_computed = req.num_computed_tokens
+            # The max_tokens guard: once the steps in flight return, the request holds
+            # num_tokens + num_placeholders tokens (every placeholder is one sure token). If that
+            # reaches its cap, another step would only compute for a finished request
+            # (docs/design.md, "The max_tokens guard").
+            if num_placeholders > 0 and req.num_tokens + num_placeholders >= req.num_prompt_tokens + req.max_tokens:
                 i += 1
                 continue
-            num_new = req.num_tokens_with_spec + ph - comp
+            # The gap formula (docs/design.md, "The gap formula").
+            num_new = req.num_tokens + num_placeholders - num_computed
             if 0 < threshold < num_new:
                 num_new = threshold
-            num_new = min(num_new, plan.token_budget, max_model_len - comp - 1)
+            num_new = min(num_new, plan.token_budget, max_request_len - num_computed - 1)
             if num_new <= 0:
                 i += 1
                 continue
@@ -166,7 +194,6 @@ class Scheduler:
             plan.running.append(req)
             plan.schedule(req, num_new)
             plan.new_blocks_of[req.request_id] = [b.block_id for b in new_blocks] if new_blocks else None
-            req.spec_token_ids = []
             i += 1
 
     def _schedule_waiting(self, plan: StepPlan) -> None:
@@ -182,7 +209,7 @@ class Scheduler:
             req = queue[0]
             if req.num_stale_output_tokens and not req.drop_stale_output:
                 # Deliverable stale output still in flight: resuming now could resample a
-                # position that output later delivers.
+                # position that output later delivers (docs/design.md, "Stale output").
                 queue.popleft()
                 step_skipped.append(req)
                 continue
@@ -210,19 +237,19 @@ class Scheduler:
 
     def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
         requests = self.requests
-        seq = self.sched_step_seq
+        step_seq = self.sched_step_seq
         defer = self.defer_block_free
-        has_so = False
-        for rid, n in scheduler_output.num_scheduled_tokens.items():
+        has_grammar_requests = False
+        for rid, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             req = requests[rid]
-            req.num_computed_tokens += n
-            req.num_in_flight_tokens += n
+            req.num_computed_tokens += num_scheduled
+            req.num_in_flight_tokens += num_scheduled
             if defer:
-                req.last_sched_seq = seq
+                req.last_sched_seq = step_seq
             req.is_prefill_chunk = req.num_computed_tokens < req.num_tokens + req.num_output_placeholders
             if req.use_structured_output and not req.is_prefill_chunk:
-                has_so = True
-        scheduler_output.has_structured_output_requests = has_so
+                has_grammar_requests = True
+        scheduler_output.has_structured_output_requests = has_grammar_requests
         # Replace, never clear: the output just built holds references to these sets (P13).
         self.finished_req_ids = set()
         self.reset_preempted_req_ids = set()
@@ -240,35 +267,35 @@ class Scheduler:
             self.processed_step_seq += 1
             self._drain_deferred_frees()
         outputs: list[EngineCoreOutput] = []
-        index = {rid: i for i, rid in enumerate(model_runner_output.req_ids)}
-        sampled = model_runner_output.sampled_token_ids
+        row_of = {rid: row for row, rid in enumerate(model_runner_output.req_ids)}
+        sampled_rows = model_runner_output.sampled_token_ids
         logprobs = model_runner_output.logprobs
         stopped_running: list[Request] = []
         stopped_preempted: list[Request] = []
-        so_manager = self.structured_output_manager
-        for rid, n in scheduler_output.num_scheduled_tokens.items():
-            if self._discard_finished_in_flight(rid, n):
+        grammar_manager = self.structured_output_manager
+        for rid, num_scheduled in scheduler_output.num_scheduled_tokens.items():
+            if self._discard_finished_in_flight(rid, num_scheduled):
                 continue
             req = self.requests.get(rid)
             if req is None:
                 continue
-            req.num_in_flight_tokens -= n
+            req.num_in_flight_tokens -= num_scheduled
             is_stale = False
             if req.num_stale_output_tokens > 0:
                 is_stale = True
-                req.num_stale_output_tokens -= n
+                req.num_stale_output_tokens -= num_scheduled
                 assert req.num_stale_output_tokens >= 0, req
             if is_stale and req.drop_stale_output:
                 continue
-            i = index.get(rid)
-            gen = sampled[i] if i is not None else ()
-            if not gen:
+            row = row_of.get(rid)
+            sampled = sampled_rows[row] if row is not None else ()
+            if not sampled:
                 continue  # a prefill chunk: nothing sampled, nothing emitted
             status_before = req.status
-            first = req.num_output_tokens == 0
-            new_ids, stopped = self._update_request_with_output(req, list(gen), is_stale)
-            if new_ids and so_manager is not None and req.use_structured_output and not req.is_finished():
-                if not so_manager.accept_tokens(req, new_ids):
+            is_first_output = req.num_output_tokens == 0
+            new_ids, stopped = self._update_request_with_output(req, list(sampled), is_stale)
+            if new_ids and grammar_manager is not None and req.use_structured_output and not req.is_finished():
+                if not grammar_manager.accept_tokens(req, new_ids):
                     req.status = RequestStatus.FINISHED_ERROR
                     stopped = True
             finish_reason = None
@@ -277,11 +304,11 @@ class Scheduler:
                 self._free_request(req)
                 (stopped_running if status_before == RequestStatus.RUNNING else stopped_preempted).append(req)
             if new_ids or stopped:
-                lps = logprobs.get(rid) if logprobs else None
+                token_logprobs = logprobs.get(rid) if logprobs else None
                 outputs.append(EngineCoreOutput(
                     rid, new_ids, finish_reason, req.stop_reason,
-                    new_logprobs=lps[:len(new_ids)] if lps else None,
-                    num_cached_tokens=max(req.num_cached_tokens, 0) if first else 0,
+                    new_logprobs=token_logprobs[:len(new_ids)] if token_logprobs else None,
+                    num_cached_tokens=max(req.num_cached_tokens, 0) if is_first_output else 0,
                 ))
         if stopped_running:
             gone = {id(r) for r in stopped_running}
@@ -289,21 +316,19 @@ class Scheduler:
         for req in stopped_preempted:
             self._remove_from_waiting(req)
         if self.debug_invariants:
-            from stepahead.core.invariants import check_scheduler
-
             check_scheduler(self, list(self._debug_in_flight))
         return outputs
 
     def _discard_finished_in_flight(self, rid: str, num_tokens: int) -> bool:
         """True for a step computed for a request that had already finished: its output is wasted."""
-        left = self._finished_in_flight.get(rid)
+        left = self.finished_in_flight_tokens.get(rid)
         if left is None:
             return False
         self.num_wasted_request_steps += 1
         if left <= num_tokens:
-            del self._finished_in_flight[rid]
+            del self.finished_in_flight_tokens[rid]
         else:
-            self._finished_in_flight[rid] = left - num_tokens
+            self.finished_in_flight_tokens[rid] = left - num_tokens
         return True
 
     def _update_request_with_output(
@@ -311,28 +336,32 @@ class Scheduler:
     ) -> tuple[list[int], bool]:
         """Append token by token, checking stop after each; truncate at the first stop."""
         append = request.append_output_token_ids
-        for k, tok in enumerate(new_token_ids):
-            append(tok)
+        for k, token_id in enumerate(new_token_ids):
+            append(token_id)
             if self._check_stop(request):
                 return new_token_ids[:k + 1], True
         return new_token_ids, False
 
     def _check_stop(self, request: Request) -> bool:
-        return check_stop(request, self.max_model_len)
+        return check_stop(request, self.max_request_len)
 
     # -- preemption, finishing, freeing -----------------------------------------------------------------
 
     def _preempt_request(self, request: Request, drop_stale_output: bool) -> None:
-        """The caller has removed the request from running. In-flight output becomes stale."""
+        """The caller has removed the request from running. In-flight output becomes stale.
+
+        Preemption is by recompute: the request keeps its tokens, loses its KV, and is admitted
+        again from the front of waiting (docs/design.md, "Preemption").
+        """
         assert request.status == RequestStatus.RUNNING, request
         self._free_request_blocks(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        request.spec_token_ids = []
         # An undrained drop-mode share stays dropped: its positions have been resampled already.
         request.drop_stale_output = drop_stale_output or (
             request.drop_stale_output and request.num_stale_output_tokens > 0)
-        request.num_stale_output_tokens = request.num_in_flight_tokens  # assign: inflt holds any old share
+        # Assign, not add: the in-flight count already holds any undrained stale share.
+        request.num_stale_output_tokens = request.num_in_flight_tokens
         request.num_output_placeholders = 0
         request.is_prefill_chunk = False
         request.num_preemptions += 1
@@ -368,8 +397,8 @@ class Scheduler:
         rid = request.request_id
         self.finished_req_ids.add(rid)
         if request.num_in_flight_tokens > 0:
-            left = self._finished_in_flight.get(rid, 0)  # an earlier holder of the id may still drain
-            self._finished_in_flight[rid] = left + request.num_in_flight_tokens
+            left = self.finished_in_flight_tokens.get(rid, 0)  # an earlier holder of the id may still drain
+            self.finished_in_flight_tokens[rid] = left + request.num_in_flight_tokens
         self._free_request_blocks(request)
         del self.requests[rid]
 

@@ -59,7 +59,7 @@ def make_scheduler_output(plan: StepPlan, kv: KVCacheManager, prev_step_req_ids:
 
 
 def _cached_request_data(plan: StepPlan, kv: KVCacheManager, prev_step_req_ids: set[str]) -> CachedRequestData:
-    """Running and resumed requests as diffs; num_output_tokens counts the placeholders (nout + ph)."""
+    """Running and resumed requests as diffs; num_output_tokens counts real outputs plus placeholders."""
     data = CachedRequestData()
     for req in plan.running:
         rid = req.request_id

@@ -1,4 +1,4 @@
-"""The engine-side stop check, run after every appended token (engine-spec §2.2 check_stop).
+"""The engine-side stop check, run after every appended token.
 
 Stop strings are the frontend's business (they need detokenized text); here: min_tokens, EOS,
 stop_token_ids, then the length caps, in that order, so an EOS sampled exactly at max_tokens
@@ -10,14 +10,18 @@ from __future__ import annotations
 from stepahead.request import Request, RequestStatus
 
 
-def check_stop(request: Request, max_model_len: int) -> bool:
-    """Set the finished status (and stop_reason for a stop token) and return True if it stops."""
+def check_stop(request: Request, max_request_len: int) -> bool:
+    """Set the finished status (and stop_reason for a stop token) and return True if it stops.
+
+    max_request_len is the most tokens a request may hold: max_model_len, or less where the KV
+    pool is smaller.
+    """
     params = request.sampling_params
     output = request.output_token_ids
-    nout = len(output)
-    if nout < params.min_tokens:
+    num_output = len(output)
+    if num_output < params.min_tokens:
         # min_tokens cannot extend a request past the context window (that would wedge it).
-        if request.num_tokens >= max_model_len:
+        if request.num_tokens >= max_request_len:
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
         return False
@@ -29,7 +33,7 @@ def check_stop(request: Request, max_model_len: int) -> bool:
         request.status = RequestStatus.FINISHED_STOPPED
         request.stop_reason = last
         return True
-    if nout >= request.max_tokens or request.num_tokens >= max_model_len:
+    if num_output >= request.max_tokens or request.num_tokens >= max_request_len:
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
         return True
     return False

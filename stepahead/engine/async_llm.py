@@ -31,7 +31,6 @@ import zmq.asyncio
 
 from stepahead.config import EngineConfig
 from stepahead.engine.arg_utils import EngineArgs
-from stepahead.engine.core import EngineDeadError
 from stepahead.engine.core_proc import run_engine_core
 from stepahead.engine.input_processor import InputProcessor, PromptType
 from stepahead.engine.messages import (
@@ -45,15 +44,16 @@ from stepahead.engine.messages import (
     Shutdown,
 )
 from stepahead.engine.output_processor import OutputProcessor, RequestOutputKind
-from stepahead.executor.common import main_module_hidden
+from stepahead.errors import EngineDeadError
+from stepahead.executor.spawn import main_module_hidden, stop_process
 from stepahead.outputs import EngineStats, RequestOutput
 from stepahead.sampling_params import SamplingParams
+from stepahead.validation import InvalidInputError
 
 logger = logging.getLogger("stepahead.engine.async_llm")
 
 _POLL_MS = 500  # how often the output loop checks that the engine process is alive
 _SHUTDOWN_GRACE_S = 10.0
-
 
 
 @dataclass
@@ -137,9 +137,9 @@ class AsyncLLM:
         self._output.setsockopt(zmq.LINGER, 0)
         self._output.bind(output_addr)
 
-        ctx = multiprocessing.get_context("spawn")
-        self._proc = ctx.Process(target=run_engine_core, name="stepahead-engine-core",
-                                 args=(config, input_addr, output_addr, os.getpid(), trace_path))
+        spawn = multiprocessing.get_context("spawn")
+        self._proc = spawn.Process(target=run_engine_core, name="stepahead-engine-core",
+                                   args=(config, input_addr, output_addr, os.getpid(), trace_path))
         with main_module_hidden():
             self._proc.start()
         # A library user who forgets shutdown() still leaves no engine process behind.
@@ -166,9 +166,9 @@ class AsyncLLM:
                     break
                 if isinstance(msg, EngineFailed):
                     self._proc.join(timeout=_SHUTDOWN_GRACE_S)
-                    raise RuntimeError(f"The engine process failed to start:\n{msg.message}")
+                    raise EngineDeadError(f"The engine process failed to start:\n{msg.message}")
             elif not self._proc.is_alive():
-                raise RuntimeError(f"The engine process exited during startup (exit code {self._proc.exitcode})")
+                raise EngineDeadError(f"The engine process exited during startup (exit code {self._proc.exitcode})")
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"The engine process did not become ready within {timeout_s} s")
         self._output_task = asyncio.get_running_loop().create_task(self._output_loop(), name="stepahead-outputs")
@@ -181,13 +181,13 @@ class AsyncLLM:
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     stream: RequestStream | None = None, arrival_time: float | None = None) -> RequestStream:
-        """Validate and submit one prompt (its n children); raises ValueError on bad input.
+        """Validate and submit one prompt (its n children); raises InvalidInputError (a ValueError) on bad input.
 
         Pass the same stream for several prompts to read all their outputs from one queue.
         """
         self._check_alive()
         if request_id in self._timings:
-            raise ValueError(f"Request id {request_id!r} is already running")
+            raise InvalidInputError(f"Request id {request_id!r} is already running", param="request_id")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         children, prompt_text = self.input_processor.process(request_id, prompt, params, arrival)
         stream = stream if stream is not None else RequestStream()
@@ -196,7 +196,7 @@ class AsyncLLM:
         self._timings[request_id] = _Timing(arrival, len(children[0].prompt_token_ids))
         stream.request_ids.append(request_id)
         stream.unfinished.add(request_id)
-        self._send(AddRequests([EngineRequest.from_request(r) for r in children]))
+        self._send(AddRequests([EngineRequest.from_request(child) for child in children]))
         return stream
 
     async def stream_outputs(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
@@ -238,11 +238,11 @@ class AsyncLLM:
 
     def abort_all(self, reason: BaseException) -> None:
         """Fail every in-flight stream with `reason` and abort its requests (server shutdown)."""
-        streams = {id(s): s for s in self._streams.values()}
+        streams = {id(stream): stream for stream in self._streams.values()}
         for request_id in list(self._streams):
             self.abort(request_id)
-        for s in streams.values():
-            s.queue.put_nowait(reason)
+        for stream in streams.values():
+            stream.queue.put_nowait(reason)
 
     def get_stats(self) -> EngineStats:
         """The latest snapshot; the engine sends one with every step's outputs and when it goes idle."""
@@ -290,38 +290,39 @@ class AsyncLLM:
         if to_abort:
             self._send(AbortRequests(to_abort))
         now = time.monotonic()
-        it = IterationStats()
-        for ro in request_outputs:
-            self._record_timing(ro, now, it)
-            stream = self._streams.get(ro.request_id)
+        iteration = IterationStats()
+        for request_output in request_outputs:
+            self._record_timing(request_output, now, iteration)
+            stream = self._streams.get(request_output.request_id)
             if stream is None:
                 continue
-            if ro.finished:
-                del self._streams[ro.request_id]
-            stream.queue.put_nowait(ro)
-        self._emit(it, engine_stats)
+            if request_output.finished:
+                del self._streams[request_output.request_id]
+            stream.queue.put_nowait(request_output)
+        self._emit(iteration, engine_stats)
 
-    def _record_timing(self, ro: RequestOutput, now: float, it: IterationStats) -> None:
-        t = self._timings.get(ro.request_id)
-        if t is None:
+    def _record_timing(self, request_output: RequestOutput, now: float, iteration: IterationStats) -> None:
+        timing = self._timings.get(request_output.request_id)
+        if timing is None:
             return
-        if any(c.token_ids for c in ro.outputs):
-            if t.last_token is None:
-                it.ttfts_s.append(now - t.arrival)
+        if any(completion.token_ids for completion in request_output.outputs):
+            if timing.last_token is None:
+                iteration.ttfts_s.append(now - timing.arrival)
             else:
-                it.itls_s.append(now - t.last_token)
-            t.last_token = now
-        for c in ro.outputs:
-            t.tokens_per_choice[c.index] = t.tokens_per_choice.get(c.index, 0) + len(c.token_ids)
-            if c.finish_reason is not None:
-                it.finished.append(t.finished(c.finish_reason, now, c.index))
-        if ro.finished:
-            del self._timings[ro.request_id]
+                iteration.itls_s.append(now - timing.last_token)
+            timing.last_token = now
+        for completion in request_output.outputs:
+            timing.tokens_per_choice[completion.index] = (timing.tokens_per_choice.get(completion.index, 0)
+                                                          + len(completion.token_ids))
+            if completion.finish_reason is not None:
+                iteration.finished.append(timing.finished(completion.finish_reason, now, completion.index))
+        if request_output.finished:
+            del self._timings[request_output.request_id]
 
-    def _emit(self, it: IterationStats, engine_stats: EngineStats | None) -> None:
+    def _emit(self, iteration: IterationStats, engine_stats: EngineStats | None) -> None:
         for listener in self.stats_listeners:
             try:
-                listener(it, engine_stats)
+                listener(iteration, engine_stats)
             except Exception:  # noqa: BLE001 - metrics must never break serving
                 logger.exception("A stats listener failed")
 
@@ -347,7 +348,7 @@ class AsyncLLM:
         self.dead_reason = reason
         logger.error("%s", reason)
         err = EngineDeadError(reason)
-        for stream in {id(s): s for s in self._streams.values()}.values():
+        for stream in {id(stream): stream for stream in self._streams.values()}.values():
             stream.queue.put_nowait(err)
         self._streams.clear()
         self._timings.clear()
@@ -362,12 +363,12 @@ class AsyncLLM:
                 self._input.send(self._codec.encode(Shutdown()), flags=zmq.NOBLOCK)
         self._closed = True
         closed = RuntimeError("The engine was shut down")
-        for stream in {id(s): s for s in self._streams.values()}.values():
+        for stream in {id(stream): stream for stream in self._streams.values()}.values():
             stream.queue.put_nowait(closed)
         self._streams.clear()
         if self._output_task is not None:
             self._output_task.cancel()
-        _stop_process(self._proc, timeout_s)
+        stop_process(self._proc, timeout_s, _SHUTDOWN_GRACE_S)  # SIGTERM: the engine stops its executor
         self._finalizer.detach()
         self._input.close()
         self._output.close()
@@ -377,17 +378,5 @@ class AsyncLLM:
 
 
 def _cleanup(proc: multiprocessing.process.BaseProcess, tmpdir: str) -> None:
-    _stop_process(proc, 0.0)
+    stop_process(proc, 0.0, _SHUTDOWN_GRACE_S)
     shutil.rmtree(tmpdir, ignore_errors=True)
-
-
-def _stop_process(proc: multiprocessing.process.BaseProcess, timeout_s: float) -> None:
-    if proc.pid is None:
-        return
-    proc.join(timeout=timeout_s)
-    if proc.is_alive():
-        proc.terminate()  # SIGTERM: the engine shuts its executor down
-        proc.join(timeout=_SHUTDOWN_GRACE_S)
-    if proc.is_alive():
-        proc.kill()
-        proc.join()

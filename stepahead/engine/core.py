@@ -1,8 +1,8 @@
-"""EngineCore: the step function over a scheduler, an executor and a batch queue (engine-spec §1.5).
+"""EngineCore: the step function over a scheduler, an executor and a batch queue.
 
-With max_concurrent_batches == 1, step() schedules, runs and processes one step at a time. Above
-that, step_with_batch_queue() keeps up to that many steps in flight: it schedules step N+1 and
-starts it before blocking on step N's output.
+With max_concurrent_batches == 1, _step() schedules, runs and processes one step at a time. Above
+that, _step_with_batch_queue() keeps up to that many steps in flight: it schedules step N+1 and
+starts it before blocking on step N's output (docs/design.md, "Batch-queue depth").
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from typing import NamedTuple
 
 from stepahead.config import EngineConfig
 from stepahead.core.async_scheduler import AsyncScheduler
@@ -21,26 +22,44 @@ from stepahead.errors import EngineDeadError
 from stepahead.executor.abstract import Executor
 from stepahead.outputs import EngineStats
 from stepahead.request import Request, RequestStatus
+from stepahead.tracing import TraceEvent
 
 _HEALTH_POLL_S = 1.0  # how often a blocked wait asks the executor whether its worker is alive
 
 
+class InFlightStep(NamedTuple):
+    """A step submitted to the executor whose output has not been processed yet."""
+
+    sample_future: Future  # resolves to the step's ModelRunnerOutput
+    scheduler_output: SchedulerOutput
+    execute_future: Future  # the forward pass; the same future as sample_future for an empty step
+
+
 class EngineCore:
+    """Runs the engine loop: schedule, hand the step to the executor, process its output.
+
+    Owns the scheduler (AsyncScheduler when async scheduling is on), the executor, the batch queue
+    of in-flight steps, the abort queue and the engine statistics. Guarantees: every scheduled step's
+    output is processed exactly once, oldest first; at most max_concurrent_batches steps are in
+    flight; aborts (from any thread) are applied between steps, before the next output is
+    processed; an executor failure finishes every unfinished request with "error" and makes every
+    later call raise EngineDeadError instead of hanging.
+    """
+
     def __init__(self, config: EngineConfig, executor: Executor) -> None:
         self.config = config
-        sched_cls = AsyncScheduler if config.async_scheduling else Scheduler
-        self.scheduler: Scheduler = sched_cls(config.scheduler_config, config.cache_config)
+        scheduler_cls = AsyncScheduler if config.async_scheduling else Scheduler
+        self.scheduler: Scheduler = scheduler_cls(config.scheduler_config, config.cache_config)
         self.executor = executor
         self.batch_queue_size = config.max_concurrent_batches
-        # (sample future, scheduler output, execute future), newest on the left.
-        self.batch_queue: deque[tuple[Future, SchedulerOutput, Future]] = deque()
+        self.batch_queue: deque[InFlightStep] = deque()  # newest on the left
         self._step_fn = self._step if self.batch_queue_size == 1 else self._step_with_batch_queue
         self._aborts: list[str] = []
         self._aborts_lock = threading.Lock()
         self._step_lock = threading.Lock()
         self._dead: str | None = None
         self._trace = config.trace
-        self._trace_events: list[dict] = []
+        self._trace_events: list[TraceEvent] = []
         # Statistics.
         self._forward_steps = 0
         self._busy_s = 0.0
@@ -76,8 +95,7 @@ class EngineCore:
             return
         live = [rid for rid in ids if rid in self.scheduler.requests]
         self.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
-        if live:
-            self._finished_by_reason["abort"] = self._finished_by_reason.get("abort", 0) + len(live)
+        self._count_finished("abort", len(live))
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Forget the prefix cache; with reset_running_requests, preempt running requests (drop mode)."""
@@ -105,89 +123,110 @@ class EngineCore:
                 raise
             except Exception as e:  # noqa: BLE001 - any executor failure kills the engine
                 raise self._die(e) from e
-            for o in outputs:
-                self._generation_tokens += len(o.new_token_ids)
-                if o.finish_reason is not None:
-                    self._finished_by_reason[o.finish_reason] = self._finished_by_reason.get(o.finish_reason, 0) + 1
+            for output in outputs:
+                self._generation_tokens += len(output.new_token_ids)
+                if output.finish_reason is not None:
+                    self._count_finished(output.finish_reason)
             if not self.has_work():
                 self._wall_s += time.monotonic() - self._work_since
                 self._work_since = None
             return outputs
 
     def _step(self) -> list[EngineCoreOutput]:
+        """One step at a time: schedule, execute, sample, process."""
         self._process_aborts()  # nothing is in flight between synchronous steps
         if not self.scheduler.has_requests():
             return []
-        so = self._schedule()
-        exec_fut = self.executor.execute_model(so)
-        grammar = self.scheduler.get_grammar_bitmask(so)  # on the CPU while the forward pass runs
-        out = self._wait(exec_fut)
-        if out is None:
-            out = self._wait(self.executor.sample_tokens(grammar))
+        scheduler_output = self._schedule()
+        execute_future = self.executor.execute_model(scheduler_output)
+        grammar = self.scheduler.get_grammar_bitmask(scheduler_output)  # on the CPU while the forward pass runs
+        model_output = self._wait(execute_future)
+        if model_output is None:
+            model_output = self._wait(self.executor.sample_tokens(grammar))
         self._process_aborts()
-        return self._update(so, out)
+        return self._update(scheduler_output, model_output)
 
     def _step_with_batch_queue(self) -> list[EngineCoreOutput]:
+        """Keep up to batch_queue_size steps in flight; process the oldest when the queue is full.
+
+        1. With nothing in flight, apply pending aborts. Schedule a step (if the scheduler has any
+           request) and submit its forward pass (execute_model).
+        2. Submit its sampling (sample_tokens) right away, unless a grammar must first see the
+           token of the step still in flight; then the step is held back (deferred).
+        3. Return [] without blocking when the new step joined the queue, the queue is not full and
+           there is more to schedule (the step ran tokens, or requests remain), so the next call
+           schedules again while the worker computes. With no request at all and an empty queue,
+           return [] too.
+        4. Otherwise pop the oldest in-flight step and wait for its output (and for its forward
+           pass, which surfaces a failure).
+        5. Apply the aborts that arrived meanwhile.
+        6. Process the output (update_from_output).
+        7. A deferred step now samples: its grammar has seen the previous token; it joins the queue.
+        (docs/design.md, "Batch-queue depth" and "Deferred sampling for grammars")
+        """
         queue = self.batch_queue
         deferred: SchedulerOutput | None = None
-        exec_fut: Future | None = None
+        execute_future: Future | None = None
         if not queue:
             self._process_aborts()
         if self.scheduler.has_requests():
-            so = self._schedule()
-            exec_fut = self.executor.execute_model(so)
-            executed = so.total_num_scheduled_tokens > 0
+            scheduler_output = self._schedule()
+            execute_future = self.executor.execute_model(scheduler_output)
+            executed = scheduler_output.total_num_scheduled_tokens > 0
             if not executed:
-                fut = exec_fut
-            elif not so.pending_structured_output_tokens or not queue:
-                fut = self.executor.sample_tokens(self.scheduler.get_grammar_bitmask(so))
+                sample_future = execute_future
+            elif not scheduler_output.pending_structured_output_tokens or not queue:
+                grammar = self.scheduler.get_grammar_bitmask(scheduler_output)
+                sample_future = self.executor.sample_tokens(grammar)
             else:
                 # The grammar must first see the previous step's token: sample after processing it.
-                deferred = so
+                deferred = scheduler_output
             if deferred is None:
-                queue.appendleft((fut, so, exec_fut))
+                queue.appendleft(InFlightStep(sample_future, scheduler_output, execute_future))
                 if len(queue) < self.batch_queue_size and (executed or self.scheduler.has_requests()):
                     return []
         elif not queue:
             return []
-        fut, so_old, exec_old = queue.pop()
-        out = self._wait(fut)
-        if fut is not exec_old:
-            self._wait(exec_old)  # surfaces a forward-pass failure
+        oldest = queue.pop()
+        model_output = self._wait(oldest.sample_future)
+        if oldest.sample_future is not oldest.execute_future:
+            self._wait(oldest.execute_future)  # surfaces a forward-pass failure
         self._process_aborts()
-        outputs = self._update(so_old, out)
+        outputs = self._update(oldest.scheduler_output, model_output)
         if deferred is not None:
-            fut = self.executor.sample_tokens(self.scheduler.get_grammar_bitmask(deferred))
-            queue.appendleft((fut, deferred, exec_fut))
+            assert execute_future is not None
+            sample_future = self.executor.sample_tokens(self.scheduler.get_grammar_bitmask(deferred))
+            queue.appendleft(InFlightStep(sample_future, deferred, execute_future))
         return outputs
 
     def _schedule(self) -> SchedulerOutput:
-        t0 = time.monotonic()
-        so = self.scheduler.schedule()
+        start = time.monotonic()
+        scheduler_output = self.scheduler.schedule()
         if self._trace:
-            self._trace_events.append({"name": "schedule", "lane": "engine", "start": t0, "end": time.monotonic(),
-                                       "args": {"step": so.step_id, "tokens": so.total_num_scheduled_tokens,
-                                                "reqs": len(so.num_scheduled_tokens)}})
-        return so
+            self._trace_events.append(TraceEvent(
+                "schedule", "engine", start, time.monotonic(),
+                {"step": scheduler_output.step_id, "tokens": scheduler_output.total_num_scheduled_tokens,
+                 "reqs": len(scheduler_output.num_scheduled_tokens)}))
+        return scheduler_output
 
-    def _update(self, so: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        t0 = time.monotonic()
-        outputs = self.scheduler.update_from_output(so, out)
-        if so.total_num_scheduled_tokens > 0:
+    def _update(self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        start = time.monotonic()
+        outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        if scheduler_output.total_num_scheduled_tokens > 0:
             self._forward_steps += 1
-        self._busy_s += out.busy_s
+        self._busy_s += model_output.busy_s
         if self._trace:
-            self._trace_events.extend(out.trace_events)
-            self._trace_events.append({"name": "update_from_output", "lane": "engine", "start": t0,
-                                       "end": time.monotonic(),
-                                       "args": {"step": so.step_id, "outputs": len(outputs)}})
+            self._trace_events.extend(model_output.trace_events)
+            self._trace_events.append(TraceEvent(
+                "update_from_output", "engine", start, time.monotonic(),
+                {"step": scheduler_output.step_id, "outputs": len(outputs)}))
         return outputs
 
-    def _wait(self, fut: Future):
+    def _wait(self, future: Future):
         """Block on a worker future without hanging on a dead worker."""
         while True:
             try:
-                return fut.result(timeout=_HEALTH_POLL_S)
+                return future.result(timeout=_HEALTH_POLL_S)
             except FutureTimeout:
                 self.executor.check_health()
 
@@ -199,8 +238,7 @@ class EngineCore:
         ids = list(sched.requests)
         sched.finish_requests(ids, RequestStatus.FINISHED_ERROR)
         self.batch_queue.clear()
-        if ids:
-            self._finished_by_reason["error"] = self._finished_by_reason.get("error", 0) + len(ids)
+        self._count_finished("error", len(ids))
         if self._work_since is not None:
             self._wall_s += time.monotonic() - self._work_since
             self._work_since = None
@@ -211,6 +249,10 @@ class EngineCore:
             raise EngineDeadError(self._dead)
 
     # -- stats and traces --------------------------------------------------------------------------
+
+    def _count_finished(self, finish_reason: str, num_requests: int = 1) -> None:
+        if num_requests:
+            self._finished_by_reason[finish_reason] = self._finished_by_reason.get(finish_reason, 0) + num_requests
 
     def get_stats(self) -> EngineStats:
         sched = self.scheduler
@@ -234,7 +276,7 @@ class EngineCore:
             finished_by_reason=dict(self._finished_by_reason),
         )
 
-    def drain_trace_events(self) -> list[dict]:
+    def drain_trace_events(self) -> list[TraceEvent]:
         events, self._trace_events = self._trace_events, []
         return events
 

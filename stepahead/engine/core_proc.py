@@ -24,7 +24,11 @@ import traceback
 import zmq
 
 from stepahead.config import EngineConfig
+from stepahead.core.sched_output import EngineCoreOutput
 from stepahead.engine import messages
+from stepahead.engine.chrome_trace import write_trace
+from stepahead.engine.core import EngineCore
+from stepahead.tracing import TraceEvent
 
 logger = logging.getLogger("stepahead.engine.core_proc")
 
@@ -60,7 +64,6 @@ class _Outbox:
 
 
 def _serve(config: EngineConfig, ctx: zmq.Context, input_addr: str, outbox: _Outbox, trace_path: str | None) -> int:
-    from stepahead.engine.core import EngineCore
     from stepahead.executor import make_executor
 
     try:
@@ -81,7 +84,7 @@ def _serve(config: EngineConfig, ctx: zmq.Context, input_addr: str, outbox: _Out
                               name="stepahead-engine-input", daemon=True)
     reader.start()
     outbox.send(messages.EngineReady(os.getpid(), getattr(executor, "worker_pid", None), core.get_stats()))
-    trace_events: list[dict] | None = [] if trace_path else None
+    trace_events: list[TraceEvent] | None = [] if trace_path else None
     try:
         _busy_loop(core, inbox, outbox, trace_events)
     except SystemExit:
@@ -100,7 +103,7 @@ def _serve(config: EngineConfig, ctx: zmq.Context, input_addr: str, outbox: _Out
     return 0
 
 
-def _busy_loop(core, inbox: queue.Queue, outbox: _Outbox, trace_events: list[dict] | None) -> None:
+def _busy_loop(core: EngineCore, inbox: queue.Queue, outbox: _Outbox, trace_events: list[TraceEvent] | None) -> None:
     while True:
         if not core.has_work():
             # Going idle: the last snapshot must show the engine empty (0 running, blocks freed).
@@ -123,17 +126,17 @@ def _busy_loop(core, inbox: queue.Queue, outbox: _Outbox, trace_events: list[dic
             outbox.send(messages.EngineOutputs(outputs, core.get_stats()))
 
 
-def _apply(core, msg: messages.EngineInput, outbox: _Outbox) -> bool:
+def _apply(core: EngineCore, msg: messages.EngineInput, outbox: _Outbox) -> bool:
     """Apply one input message; False means shut down."""
     if isinstance(msg, messages.AddRequests):
         rejected = []
-        for er in msg.requests:
+        for engine_request in msg.requests:
             try:
-                core.add_request(er.to_request())
+                core.add_request(engine_request.to_request())
             except ValueError as e:
                 # The frontend validated already; a late rejection still finishes the request.
-                logger.warning("EngineCore rejected request %s: %s", er.request_id, e)
-                rejected.append(_error_output(er.request_id, str(e)))
+                logger.warning("EngineCore rejected request %s: %s", engine_request.request_id, e)
+                rejected.append(_error_output(engine_request.request_id, str(e)))
         if rejected:
             outbox.send(messages.EngineOutputs(rejected))
     elif isinstance(msg, messages.AbortRequests):
@@ -145,9 +148,7 @@ def _apply(core, msg: messages.EngineInput, outbox: _Outbox) -> bool:
     return True
 
 
-def _error_output(request_id: str, message: str):
-    from stepahead.core.sched_output import EngineCoreOutput
-
+def _error_output(request_id: str, message: str) -> EngineCoreOutput:
     return EngineCoreOutput(request_id, [], finish_reason="error", stop_reason=message)
 
 
@@ -167,7 +168,7 @@ def _read_inputs(sock: zmq.Socket, inbox: queue.Queue) -> None:
         sock.close()
 
 
-def _shutdown_core(core, trace_path: str | None, trace_events: list[dict] | None) -> None:
+def _shutdown_core(core: EngineCore, trace_path: str | None, trace_events: list[TraceEvent] | None) -> None:
     try:
         core.shutdown()
     except Exception:  # noqa: BLE001 - best effort on the way out
@@ -176,11 +177,9 @@ def _shutdown_core(core, trace_path: str | None, trace_events: list[dict] | None
         _write_trace(trace_path, trace_events)
 
 
-def _write_trace(path: str, events: list[dict]) -> None:
-    from stepahead.bench.trace import to_spans, write_trace
-
+def _write_trace(path: str, events: list[TraceEvent]) -> None:
     try:
-        write_trace(path, [("stepahead serve", to_spans(events))])
+        write_trace(path, [("stepahead serve", events)])
         logger.info("Wrote %d trace events to %s", len(events), path)
     except Exception:  # noqa: BLE001 - a trace is a diagnostic; never fail the shutdown on it
         logger.exception("Writing the trace to %s failed", path)

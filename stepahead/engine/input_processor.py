@@ -9,8 +9,9 @@ import dataclasses
 from typing import Any
 
 from stepahead.config import ModelConfig
-from stepahead.request import Request
+from stepahead.request import Request, check_context_length
 from stepahead.sampling_params import SamplingParams
+from stepahead.validation import InvalidInputError
 
 # A prompt is text, token ids, or {"prompt_token_ids": [...]} (optionally with "prompt": its text).
 PromptType = str | list[int] | dict[str, Any]
@@ -27,6 +28,20 @@ def child_seed(seed: int, index: int) -> int:
     return (seed + index * _SEED_STRIDE) % (1 << 63)
 
 
+def check_supported(params: SamplingParams) -> None:
+    """Parameters the types accept but the engine cannot honour yet: refused, never silently ignored.
+
+    The one check for the offline LLM and the API server (which reports it as a 400).
+    """
+    if params.structured_outputs is not None:
+        raise InvalidInputError(
+            "structured outputs are not supported yet: stepahead has no grammar backend, so the constraint "
+            "would be ignored; remove structured_outputs (on the server also response_format "
+            "json_object/json_schema)",
+            param="structured_outputs",
+        )
+
+
 class InputProcessor:
     def __init__(self, model_config: ModelConfig, tokenizer: Any) -> None:
         self.model_config = model_config
@@ -39,18 +54,20 @@ class InputProcessor:
         """Token ids and text of a prompt (text is None when only ids were given)."""
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("prompt must not be empty")
+                raise InvalidInputError("prompt must not be empty", param="prompt")
             return list(self.tokenizer.encode(prompt)), prompt
         if isinstance(prompt, dict):
             if "prompt_token_ids" not in prompt:
-                raise ValueError(f"prompt dict must have 'prompt_token_ids', got keys {sorted(prompt)}")
+                raise InvalidInputError(f"prompt dict must have 'prompt_token_ids', got keys {sorted(prompt)}",
+                                        param="prompt_token_ids")
             ids, text = prompt["prompt_token_ids"], prompt.get("prompt")
         elif isinstance(prompt, (list, tuple)):
             ids, text = prompt, None
         else:
-            raise ValueError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise ValueError("prompt_token_ids must be a list of integers")
+            raise InvalidInputError(
+                f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}", param="prompt")
+        if not all(isinstance(token_id, int) and not isinstance(token_id, bool) for token_id in ids):
+            raise InvalidInputError("prompt_token_ids must be a list of integers", param="prompt_token_ids")
         return list(ids), text
 
     def process(
@@ -63,37 +80,33 @@ class InputProcessor:
         """The n engine Requests of one prompt, and the prompt's text (None for token-id prompts)."""
         prompt_ids, text = self.tokenize(prompt)
         self.validate(prompt_ids, params)
-        reqs = []
-        for i in range(params.n):
+        children = []
+        for index in range(params.n):
             child_params = params
             if params.n > 1:
-                seed = None if params.seed is None else child_seed(params.seed, i)
+                seed = None if params.seed is None else child_seed(params.seed, index)
                 child_params = dataclasses.replace(params, n=1, seed=seed)
-            reqs.append(Request(
-                child_request_id(i, request_id),
+            children.append(Request(
+                child_request_id(index, request_id),
                 prompt_ids,
                 child_params,
                 eos_token_id=self.model_config.eos_token_id,
                 arrival_time=arrival_time,
                 max_model_len=self.max_model_len,
             ))
-        return reqs, text
+        return children, text
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        check_supported(params)
         if not prompt_ids:
-            raise ValueError("prompt must not be empty (it has 0 tokens)")
-        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(
-                f"prompt_token_ids must be token ids in [0, {self.vocab_size}), got {bad[:8]}"
-                + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
+            raise InvalidInputError("prompt must not be empty (it has 0 tokens)", param="prompt")
+        out_of_vocab = [token_id for token_id in prompt_ids if not 0 <= token_id < self.vocab_size]
+        if out_of_vocab:
+            raise InvalidInputError(
+                f"prompt_token_ids must be token ids in [0, {self.vocab_size}), got {out_of_vocab[:8]}"
+                + (f" and {len(out_of_vocab) - 8} more" if len(out_of_vocab) > 8 else ""),
+                param="prompt_token_ids",
             )
         params.validate_token_ids(self.vocab_size)
-        n_prompt = len(prompt_ids)
-        n_completion = params.max_tokens or 0
-        if n_prompt + n_completion > self.max_model_len or n_prompt >= self.max_model_len:
-            raise ValueError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{n_prompt + n_completion} tokens ({n_prompt} in the messages, {n_completion} in the completion). "
-                "Please reduce the length of the messages or completion."
-            )
+        # max_tokens None means "the rest of the context", which still needs room for one token.
+        check_context_length(len(prompt_ids), self.max_model_len, params.max_tokens or 1)

@@ -1,4 +1,8 @@
-"""LLM: offline generation and chat. The engine loop runs in the caller's process (DESIGN.md, Offline API)."""
+"""LLM: offline generation and chat.
+
+The engine loop runs in the caller's process, with no engine process of its own (docs/design.md,
+"Process layout").
+"""
 
 from __future__ import annotations
 
@@ -11,9 +15,12 @@ from typing import Any
 from stepahead.engine.arg_utils import EngineArgs
 from stepahead.engine.input_processor import InputProcessor, PromptType
 from stepahead.engine.output_processor import OutputProcessor, RequestOutputKind
+from stepahead.errors import EngineDeadError
 from stepahead.outputs import EngineStats, RequestOutput
 from stepahead.request import Request
 from stepahead.sampling_params import SamplingParams
+from stepahead.tracing import TraceEvent
+from stepahead.validation import InvalidInputError
 
 Conversation = list[dict[str, Any]]
 
@@ -78,9 +85,11 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} dicts) or a list of them."""
         if not messages:
-            raise ValueError("messages must be a non-empty conversation or a list of conversations")
+            raise InvalidInputError("messages must be a non-empty conversation or a list of conversations",
+                                    param="messages")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        prompts = [self.apply_chat_template(c, add_generation_prompt, chat_template_kwargs) for c in conversations]
+        prompts = [self.apply_chat_template(conversation, add_generation_prompt, chat_template_kwargs)
+                   for conversation in conversations]
         params_list = self._params_list(sampling_params, len(prompts))
         return self._run(prompts, params_list, use_tqdm)
 
@@ -91,16 +100,16 @@ class LLM:
         """
         self._check_alive()
         request_id = str(next(self._request_counter))
-        reqs, text = self.input_processor.process(request_id, prompt, sampling_params or SamplingParams())
-        self.output_processor.add_request(request_id, reqs, text, RequestOutputKind.DELTA)
+        children, text = self.input_processor.process(request_id, prompt, sampling_params or SamplingParams())
+        self.output_processor.add_request(request_id, children, text, RequestOutputKind.DELTA)
         finished = False
         try:
-            for req in reqs:
-                self.engine_core.add_request(req)
+            for child in children:
+                self.engine_core.add_request(child)
             while not finished:
-                for ro in self._step():  # the LLM is not reentrant: these are all this request's
-                    finished = ro.finished
-                    yield ro
+                for request_output in self._step():  # the LLM is not reentrant: these are all this request's
+                    finished = request_output.finished
+                    yield request_output
             self._drain()
         finally:
             if not finished:
@@ -114,7 +123,8 @@ class LLM:
     ) -> dict[str, Any]:
         """A prompt dict (token ids and text) for one conversation, rendered by the tokenizer's template."""
         if getattr(self.tokenizer, "chat_template", None) is None:
-            raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
+            raise InvalidInputError("this model's tokenizer has no chat template; use generate() with a plain prompt",
+                                    param="messages")
         text = self.tokenizer.apply_chat_template(
             conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
             **(chat_template_kwargs or {}),
@@ -126,7 +136,7 @@ class LLM:
     def stats(self) -> EngineStats:
         return self.engine_core.get_stats()
 
-    def drain_trace_events(self) -> list[dict]:
+    def drain_trace_events(self) -> list[TraceEvent]:
         """Timeline events (engine and worker lanes) recorded since the last call; needs trace=True."""
         return self.engine_core.drain_trace_events()
 
@@ -144,58 +154,58 @@ class LLM:
 
     # -- the engine loop ------------------------------------------------------------------------------
 
-    def _params_list(self, params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    def _params_list(self, params: SamplingParams | Sequence[SamplingParams] | None,
+                     num_prompts: int) -> list[SamplingParams]:
         if params is None:
-            return [SamplingParams()] * n
+            return [SamplingParams()] * num_prompts
         if isinstance(params, SamplingParams):
-            return [params] * n
+            return [params] * num_prompts
         params = list(params)
-        if len(params) != n:
-            raise ValueError(f"sampling_params must be one SamplingParams or one per prompt ({n}), got {len(params)}")
+        if len(params) != num_prompts:
+            raise InvalidInputError(f"sampling_params must be one SamplingParams or one per prompt ({num_prompts}), "
+                                    f"got {len(params)}", param="sampling_params")
         return params
 
     def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         self._check_alive()
         # Validate every prompt before adding any, so a bad one leaves the engine untouched.
         batch: list[tuple[str, list[Request], str | None]] = []
-        for prompt, sp in zip(prompts, params, strict=True):
+        for prompt, prompt_params in zip(prompts, params, strict=True):
             request_id = str(next(self._request_counter))
-            reqs, text = self.input_processor.process(request_id, prompt, sp)
-            batch.append((request_id, reqs, text))
-        order = {request_id: i for i, (request_id, _, _) in enumerate(batch)}
+            children, text = self.input_processor.process(request_id, prompt, prompt_params)
+            batch.append((request_id, children, text))
+        position = {request_id: index for index, (request_id, _, _) in enumerate(batch)}
         results: list[RequestOutput | None] = [None] * len(batch)
         added: list[str] = []
         try:
-            for request_id, reqs, text in batch:
-                self.output_processor.add_request(request_id, reqs, text, RequestOutputKind.FINAL_ONLY)
+            for request_id, children, text in batch:
+                self.output_processor.add_request(request_id, children, text, RequestOutputKind.FINAL_ONLY)
                 added.append(request_id)
-                for req in reqs:
-                    self.engine_core.add_request(req)
+                for child in children:
+                    self.engine_core.add_request(child)
             with _progress(len(batch), use_tqdm) as bar:
                 while self.output_processor.has_unfinished_requests():
-                    for ro in self._step():
-                        results[order[ro.request_id]] = ro
+                    for request_output in self._step():
+                        results[position[request_output.request_id]] = request_output
                         bar.update(1)
             self._drain()
         except BaseException:
             # KeyboardInterrupt or an engine failure: leave no request of this call behind.
-            self._abort([rid for rid in added if results[order[rid]] is None])
+            self._abort([request_id for request_id in added if results[position[request_id]] is None])
             raise
         return results  # type: ignore[return-value]
 
     def _step(self) -> list[RequestOutput]:
-        from stepahead.engine.core import EngineDeadError
-
         if not self.engine_core.has_work():
             raise RuntimeError("stepahead engine has no work but requests are unfinished (engine bug)")
         try:
             outputs = self.engine_core.step()
         except EngineDeadError as e:
             self._dead = e
-            raise RuntimeError(f"stepahead engine died: {e}") from e
+            raise
         except Exception as e:  # the engine's state is unknown after a failed step: never reuse it
             self._dead = e
-            raise RuntimeError(f"stepahead engine failed in step(): {e!r}") from e
+            raise EngineDeadError(f"stepahead engine failed in step(): {e!r}") from e
         request_outputs, to_abort = self.output_processor.process_outputs(outputs)
         if to_abort:  # stop strings: the frontend finished these, the engine still runs them
             self.engine_core.abort_requests(to_abort)
@@ -212,13 +222,14 @@ class LLM:
             self._step()
 
     def _abort(self, request_ids: list[str]) -> None:
-        engine_ids = [eid for rid in request_ids for eid in self.output_processor.abort_request(rid)]
+        engine_ids = [engine_id for request_id in request_ids
+                      for engine_id in self.output_processor.abort_request(request_id)]
         if engine_ids and self._dead is None:
             self.engine_core.abort_requests(engine_ids)
 
     def _check_alive(self) -> None:
         if self._dead is not None:
-            raise RuntimeError(f"stepahead engine died earlier and cannot serve requests: {self._dead}")
+            raise EngineDeadError(f"stepahead engine died earlier and cannot serve requests: {self._dead}")
         if not self._finalizer.alive:
             raise RuntimeError("this LLM was shut down")
 
@@ -235,7 +246,7 @@ def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTy
     if isinstance(prompts, (str, dict)):
         return [prompts]
     prompts = list(prompts)
-    if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+    if prompts and all(isinstance(token_id, int) and not isinstance(token_id, bool) for token_id in prompts):
         return [prompts]
     return prompts
 

@@ -1,7 +1,8 @@
 """EngineCoreOutputs -> RequestOutputs: incremental detokenization, stop strings, logprobs, n > 1.
 
 Runs in the frontend (the LLM's process, or the API server), never in the engine's hot loop.
-Stop strings are found here, on text; the engine is then told to abort the request (engine-spec §1.8).
+Stop strings are found here, on text; the engine, which only sees token ids, is then told to abort the
+request, and whatever it still sends for it is dropped here.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from stepahead.core.sched_output import EngineCoreOutput, TokenLogprobs
 from stepahead.outputs import CompletionOutput, Logprob, RequestOutput
 from stepahead.request import Request
 from stepahead.sampling_params import SamplingParams
+from stepahead.validation import InvalidInputError
 
 # Prompt tokens decoded in front of the first output token, so that a leading space or a
 # multi-byte character that started in the prompt comes out right.
@@ -104,7 +106,7 @@ class _Completion:
         """While unfinished, hold back text a stop string may still begin in (it would be cut)."""
         if self.finished or not self.params.stop:
             return len(self.text)
-        hold = max(len(s) for s in self.params.stop) - 1
+        hold = max(len(stop) for stop in self.params.stop) - 1
         return max(self.sent_text, len(self.text) - hold)
 
 
@@ -119,7 +121,7 @@ class _Parent:
 
     @property
     def finished(self) -> bool:
-        return all(c.finished for c in self.children)
+        return all(child.finished for child in self.children)
 
 
 class OutputProcessor:
@@ -136,7 +138,7 @@ class OutputProcessor:
         output_kind: RequestOutputKind,
     ) -> None:
         if request_id in self._parents:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+            raise InvalidInputError(f"request_id {request_id!r} is already in use", param="request_id")
         prompt_ids = engine_requests[0].prompt_token_ids
         children = []
         for index, req in enumerate(engine_requests):
@@ -162,20 +164,20 @@ class OutputProcessor:
             return []
         for child in parent.children:
             self._children.pop(child.engine_id, None)
-        return [c.engine_id for c in parent.children if not c.finished]
+        return [child.engine_id for child in parent.children if not child.finished]
 
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
         """RequestOutputs keyed by parent id, in order of first appearance; engine ids to abort."""
         changed: dict[str, tuple[_Parent, set[int]]] = {}
         to_abort: list[str] = []
-        for out in outputs:
-            owner = self._children.get(out.request_id)
+        for output in outputs:
+            owner = self._children.get(output.request_id)
             if owner is None:
                 continue  # aborted, or already finished here by a stop string
             parent, child = owner
-            if out.num_cached_tokens:
-                parent.num_cached_tokens = out.num_cached_tokens
-            if self._update_child(child, out):
+            if output.num_cached_tokens:
+                parent.num_cached_tokens = output.num_cached_tokens
+            if self._update_child(child, output):
                 to_abort.append(child.engine_id)
             if child.finished:
                 del self._children[child.engine_id]
@@ -186,33 +188,33 @@ class OutputProcessor:
             finished = parent.finished
             if finished:
                 del self._parents[parent.request_id]
-            ro = self._make_output(parent, indices, finished)
-            if ro is not None:
-                results.append(ro)
+            request_output = self._make_output(parent, indices, finished)
+            if request_output is not None:
+                results.append(request_output)
         return results, to_abort
 
     # -- per child --------------------------------------------------------------------------------
 
-    def _update_child(self, child: _Completion, out: EngineCoreOutput) -> bool:
+    def _update_child(self, child: _Completion, output: EngineCoreOutput) -> bool:
         """Apply one step's news; True when a stop string finished a request the engine still runs."""
-        new_ids = out.new_token_ids
+        new_ids = output.new_token_ids
         child.token_ids.extend(new_ids)
-        if child.logprobs is not None and out.new_logprobs:
-            child.logprobs.extend(self._logprob_dict(lp) for lp in out.new_logprobs)
+        if child.logprobs is not None and output.new_logprobs:
+            child.logprobs.extend(self._logprob_dict(token_logprobs) for token_logprobs in output.new_logprobs)
         # A stop token (EOS or stop_token_ids) ends the output but is not part of its text.
-        stopped_on_token = out.finish_reason == "stop" and not isinstance(out.stop_reason, str)
+        stopped_on_token = output.finish_reason == "stop" and not isinstance(output.stop_reason, str)
         text_ids = new_ids
         if stopped_on_token and new_ids and not child.params.include_stop_str_in_output:
             text_ids = new_ids[:-1]
         old_len = len(child.text)
         child.text += child.detok.append(text_ids)
-        if out.finished:
+        if output.finished:
             child.text += child.detok.flush()
         if not stopped_on_token and child.params.stop and self._check_stop_strings(child, old_len):
-            return not out.finished
-        if out.finished:
-            child.finish_reason = out.finish_reason
-            child.stop_reason = out.stop_reason
+            return not output.finished
+        if output.finished:
+            child.finish_reason = output.finish_reason
+            child.stop_reason = output.stop_reason
         return False
 
     @staticmethod
@@ -232,14 +234,15 @@ class OutputProcessor:
         child.stop_reason = stop
         return True
 
-    def _logprob_dict(self, lp: TokenLogprobs) -> dict[int, Logprob]:
+    def _logprob_dict(self, token_logprobs: TokenLogprobs) -> dict[int, Logprob]:
         """The sampled token (first, with its true rank) plus the top-N ranked 1..N."""
         decode = self.tokenizer.decode
-        sampled = lp.token_ids[0]
-        entries = {sampled: Logprob(lp.logprobs[0], lp.sampled_rank, decode([sampled]))}
-        for rank, (tid, value) in enumerate(zip(lp.token_ids[1:], lp.logprobs[1:], strict=True), start=1):
-            if tid not in entries:
-                entries[tid] = Logprob(value, rank, decode([tid]))
+        sampled = token_logprobs.token_ids[0]
+        entries = {sampled: Logprob(token_logprobs.logprobs[0], token_logprobs.sampled_rank, decode([sampled]))}
+        top_n = zip(token_logprobs.token_ids[1:], token_logprobs.logprobs[1:], strict=True)
+        for rank, (token_id, value) in enumerate(top_n, start=1):
+            if token_id not in entries:
+                entries[token_id] = Logprob(value, rank, decode([token_id]))
         return entries
 
     # -- assembly ----------------------------------------------------------------------------------
@@ -249,9 +252,9 @@ class OutputProcessor:
         if kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None
         if kind is RequestOutputKind.DELTA:
-            completions = [self._delta(c) for c in parent.children if c.index in changed]
+            completions = [self._delta(child) for child in parent.children if child.index in changed]
         else:
-            completions = [self._cumulative(c) for c in parent.children]
+            completions = [self._cumulative(child) for child in parent.children]
         return RequestOutput(
             request_id=parent.request_id,
             prompt=parent.prompt,
@@ -262,28 +265,28 @@ class OutputProcessor:
         )
 
     @staticmethod
-    def _cumulative(c: _Completion) -> CompletionOutput:
+    def _cumulative(child: _Completion) -> CompletionOutput:
         return CompletionOutput(
-            index=c.index,
-            text=c.text[:c.visible_text_len()],
-            token_ids=list(c.token_ids),
-            finish_reason=c.finish_reason,
-            stop_reason=c.stop_reason,
-            logprobs=None if c.logprobs is None else list(c.logprobs),
+            index=child.index,
+            text=child.text[:child.visible_text_len()],
+            token_ids=list(child.token_ids),
+            finish_reason=child.finish_reason,
+            stop_reason=child.stop_reason,
+            logprobs=None if child.logprobs is None else list(child.logprobs),
         )
 
     @staticmethod
-    def _delta(c: _Completion) -> CompletionOutput:
-        visible = c.visible_text_len()
-        text = c.text[c.sent_text:visible]
-        tokens = c.token_ids[c.sent_tokens:]
-        logprobs = None if c.logprobs is None else c.logprobs[c.sent_tokens:]
-        c.sent_text, c.sent_tokens = visible, len(c.token_ids)
+    def _delta(child: _Completion) -> CompletionOutput:
+        visible = child.visible_text_len()
+        text = child.text[child.sent_text:visible]
+        tokens = child.token_ids[child.sent_tokens:]
+        logprobs = None if child.logprobs is None else child.logprobs[child.sent_tokens:]
+        child.sent_text, child.sent_tokens = visible, len(child.token_ids)
         return CompletionOutput(
-            index=c.index,
+            index=child.index,
             text=text,
             token_ids=tokens,
-            finish_reason=c.finish_reason,
-            stop_reason=c.stop_reason,
+            finish_reason=child.finish_reason,
+            stop_reason=child.stop_reason,
             logprobs=logprobs,
         )

@@ -8,11 +8,12 @@ import sys
 from collections.abc import Sequence
 
 from stepahead.entrypoints.engine_flags import add_engine_args, engine_args_from_namespace
+from stepahead.errors import StepaheadError
 from stepahead.sampling_params import SamplingParams
 
 # Modules that add a subcommand with add_parser(subparsers), which sets `func` on its parser.
 _SUBCOMMAND_MODULES = (
-    "stepahead.core.simulate",
+    "stepahead.tools.simulate",
     "stepahead.entrypoints.openai.serve_cli",
     "stepahead.bench.cli",
 )
@@ -46,11 +47,11 @@ def run_generate(ns: argparse.Namespace) -> int:
     with _make_llm(ns) as llm:
         use_chat = ns.chat if ns.chat is not None else getattr(llm.get_tokenizer(), "chat_template", None) is not None
         prompt = llm.apply_chat_template([{"role": "user", "content": ns.prompt}]) if use_chat else ns.prompt
-        (out,) = llm.generate(prompt, params, use_tqdm=False)
-        for c in out.outputs:
-            if len(out.outputs) > 1:
-                print(f"--- completion {c.index} ({c.finish_reason})")
-            print(c.text)
+        (request_output,) = llm.generate(prompt, params, use_tqdm=False)
+        for completion in request_output.outputs:
+            if len(request_output.outputs) > 1:
+                print(f"--- completion {completion.index} ({completion.finish_reason})")
+            print(completion.text)
     return 0
 
 
@@ -117,12 +118,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     try:
         return int(ns.func(ns) or 0)
-    except ValueError as e:  # bad input: flags, prompt, model folder
+    except ValueError as e:  # bad input (InvalidInputError among them): flags, prompt, model folder
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except RuntimeError as e:
-        if not str(e).startswith("stepahead"):  # only the engine's own failures are expected here
-            raise
+    except StepaheadError as e:  # the engine or its worker failed; any other error is a bug
         print(f"error: {e}", file=sys.stderr)
         return 1
 

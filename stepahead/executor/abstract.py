@@ -6,16 +6,21 @@ from abc import ABC, abstractmethod
 from concurrent.futures import Future
 
 from stepahead.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from stepahead.errors import StepaheadError
+
+
+class WorkerError(StepaheadError, RuntimeError):
+    """The worker could not start, raised in a call, or died; every pending and later call fails with it."""
 
 
 class Executor(ABC):
     """execute_model runs the forward pass; sample_tokens samples from its logits.
 
     They are separate so a step's sampling can wait for a grammar while its forward pass already
-    runs (seed: "Structured output gives up part of the overlap"). Calls are processed by the worker
+    runs (docs/design.md, "Deferred sampling for grammars"). Calls are processed by the worker
     strictly in submission order; up to max_concurrent_batches steps may be in flight.
     execute_model's future resolves to None when sampling follows, or to an output directly for
-    an empty step. A worker failure resolves every pending future with an exception.
+    an empty step. A worker failure resolves every pending future with a WorkerError.
     """
 
     @abstractmethod

@@ -1,30 +1,28 @@
-"""What the executors share: the worker's torch threads, its busy-time accounting, and
-starting a spawned process without re-running the caller's script (also used by AsyncLLM)."""
+"""What the executors' workers share: their torch threads, and serving calls on a model runner."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
+from typing import Any, Protocol
 
-from stepahead.core.sched_output import ModelRunnerOutput
+from stepahead.config import EngineConfig
+from stepahead.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+
+# The calls an executor sends its worker, by name (the mp executor sends the name down its pipe).
+RUNNER_METHODS = ("execute_model", "sample_tokens")
 
 
 def default_worker_threads(device: str) -> int:
     """Torch threads for the worker: every core but one, which is left to the engine's bookkeeping.
 
-    A per-machine choice (reference/environment.md), measured on the 2-core build machine with
-    nothing else running (`stepahead bench throughput --num-threads N`, runs taking turns):
-    - mp, built-in model, 64 requests (input 32-64, output 16-24): 1 thread 16.7 s and 14.7 s,
-      2 threads 69.6 s and 34.8 s. The tiny model of docs/BENCHMARKS.md section 2: 2.5 s vs 38 s.
-      The OpenMP team's second thread shares its core with the engine process, and every parallel
-      region waits for it.
-    - uni (the worker is a thread of the engine process), tiny model: 3.8 vs 5.8 ms per step, and
-      50x slower under outside load: the team and the engine thread also fight over the GIL.
-    An earlier run on a busy machine had 2 mp threads 21% ahead on the built-in model (32 requests);
-    the quiet-machine runs above reverse that by 2-15x, so both executors leave a core free.
+    A per-machine choice, measured on the 2-core build machine (docs/BENCHMARKS.md, section 7,
+    "Worker threads and the worker's turn-around"): with the mp executor and 64 requests, 1 thread
+    ran 2-15x faster than 2, because the forward pass's second OpenMP thread shares its core with the
+    engine process and every parallel region waits for it. With uni (the worker is a thread of the
+    engine process) a tiny model took 3.8 ms per step with 1 thread and 5.8 ms with 2, and 50x longer
+    under outside load, as the OpenMP team and the engine thread also fight over the GIL.
     """
     if device != "cpu":
         return 1
@@ -37,6 +35,14 @@ def _allowed_cores() -> set[int]:
     return set(range(os.cpu_count() or 1))
 
 
+class StepRunner(Protocol):
+    """What a worker serves: the two calls of a step (ModelRunner, or a scripted stand-in)."""
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None: ...
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput: ...
+
+
 class StepTimer:
     """Sums the time a worker spends in the calls of one step; stamps it on the step's output.
 
@@ -47,33 +53,34 @@ class StepTimer:
     def __init__(self) -> None:
         self._pending_s = 0.0
 
-    def record(self, started: float, out: ModelRunnerOutput | None) -> ModelRunnerOutput | None:
+    def record(self, started: float, output: ModelRunnerOutput | None) -> ModelRunnerOutput | None:
         self._pending_s += time.perf_counter() - started
-        if out is not None:
-            if not out.busy_s:
-                out.busy_s = self._pending_s
+        if output is not None:
+            if not output.busy_s:
+                output.busy_s = self._pending_s
             self._pending_s = 0.0
-        return out
+        return output
 
 
-@contextlib.contextmanager
-def main_module_hidden() -> Iterator[None]:
-    """Keep spawn from re-running the caller's main script in a child process.
+class RunnerCalls:
+    """The worker's side of an executor: a call by method name, run on the runner and timed."""
 
-    spawn re-imports `__main__` in the child, so a script calling LLM() at top level without an
-    `if __name__ == "__main__":` guard would start a second engine there. The worker and the engine
-    process need nothing from the caller's script, so the main module's file and spec are hidden
-    while the process starts.
-    """
-    main = sys.modules.get("__main__")
-    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if main is not None and k in main.__dict__}
-    try:
-        for k in saved:
-            if k == "__file__":
-                del main.__dict__[k]
-            else:
-                main.__dict__[k] = None
-        yield
-    finally:
-        for k, v in saved.items():
-            main.__dict__[k] = v
+    def __init__(self, runner: StepRunner) -> None:
+        self._methods: dict[str, Callable[[Any], ModelRunnerOutput | None]] = {
+            name: getattr(runner, name) for name in RUNNER_METHODS
+        }
+        self._timer = StepTimer()
+
+    def __call__(self, method: str, arg: Any) -> ModelRunnerOutput | None:
+        started = time.perf_counter()
+        return self._timer.record(started, self._methods[method](arg))
+
+
+def load_runner(config: EngineConfig, num_threads: int) -> RunnerCalls:
+    """Set the process's torch threads, load the model, and serve calls on it."""
+    import torch
+
+    torch.set_num_threads(num_threads)  # process-wide: for uni the engine thread shares this process
+    from stepahead.worker.model_runner import ModelRunner
+
+    return RunnerCalls(ModelRunner(config))

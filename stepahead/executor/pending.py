@@ -24,19 +24,19 @@ class PendingCalls:
         self.closed = False
 
     def add(self) -> Future:
-        fut: Future = Future()
+        future: Future = Future()
         with self._lock:
             if self.error is None and not self.closed:
-                self._futures.append(fut)
-                return fut
-        fut.set_exception(self.error or RuntimeError(SHUT_DOWN_MESSAGE))
-        return fut
+                self._futures.append(future)
+                return future
+        future.set_exception(self.error or RuntimeError(SHUT_DOWN_MESSAGE))
+        return future
 
     def resolve_oldest(self, outputs: list[Any]) -> None:
         with self._lock:
-            futs = [self._futures.popleft() for _ in range(min(len(outputs), len(self._futures)))]
-        for fut, out in zip(futs, outputs, strict=False):
-            fut.set_result(out)
+            oldest = [self._futures.popleft() for _ in range(min(len(outputs), len(self._futures)))]
+        for future, output in zip(oldest, outputs, strict=False):
+            future.set_result(output)
 
     def fail(self, err: RuntimeError) -> None:
         """Record err unless an earlier failure is recorded, and fail every pending call with it."""
@@ -59,6 +59,6 @@ class PendingCalls:
     def _fail_all(self, err: BaseException) -> None:
         with self._lock:
             pending, self._futures = self._futures, deque()
-        for fut in pending:
-            if not fut.done():
-                fut.set_exception(err)
+        for future in pending:
+            if not future.done():
+                future.set_exception(err)

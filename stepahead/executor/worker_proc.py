@@ -16,12 +16,11 @@ are always sent before the worker blocks for the next call, so the engine never 
 from __future__ import annotations
 
 import signal
-import time
 import traceback
 from multiprocessing.connection import Connection
 
 from stepahead.config import EngineConfig
-from stepahead.executor.common import StepTimer
+from stepahead.executor.common import load_runner
 
 EXIT_ON_ERROR = 3
 
@@ -31,18 +30,11 @@ def worker_main(config: EngineConfig, num_threads: int, calls: Connection, resul
     # request, shut down), so the worker must not die of it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        import torch
-
-        torch.set_num_threads(num_threads)
-        from stepahead.worker.model_runner import ModelRunner
-
-        runner = ModelRunner(config)
+        run_call = load_runner(config, num_threads)
     except BaseException:  # noqa: BLE001 - reported to the engine, which raises it to the user
         results.send(("error", f"loading the model failed:\n{traceback.format_exc()}"))
         raise SystemExit(EXIT_ON_ERROR) from None
     results.send(("ready", None))
-    timer = StepTimer()
-    handlers = {"execute_model": runner.execute_model, "sample_tokens": runner.sample_tokens}
     held: list = []  # outputs not sent yet, in call order
     while True:
         if held and not calls.poll():  # about to block: the engine may be waiting on these
@@ -54,13 +46,12 @@ def worker_main(config: EngineConfig, num_threads: int, calls: Connection, resul
             return  # the engine process closed the pipe or died
         if method == "shutdown":
             return
-        started = time.perf_counter()
         try:
-            out = timer.record(started, handlers[method](arg))
+            output = run_call(method, arg)
         except BaseException:  # noqa: BLE001 - the state is unknown after a failure: report and exit
             results.send(("error", f"{method} raised:\n{traceback.format_exc()}"))
             raise SystemExit(EXIT_ON_ERROR) from None
-        held.append(out)
-        if out is not None:  # a step's result: the engine needs it to schedule the step after next
+        held.append(output)
+        if output is not None:  # a step's result: the engine needs it to schedule the step after next
             results.send(("ok", held))
             held = []

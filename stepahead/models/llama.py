@@ -1,7 +1,7 @@
 """The Llama family in one implementation: Llama, Mistral, Qwen2 (qkv bias), Qwen3 (per-head q/k RMSNorm).
 
 Forward takes the flattened tokens of a mixed prefill + decode batch, their positions, the paged KV
-cache and a step-scoped AttentionMetadata; it returns hidden states, and compute_logits maps the rows
+cache and the step's attention metadata (built by the runner's attention backend); it returns hidden states, and compute_logits maps the rows
 that sample to vocabulary logits.
 """
 
@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stepahead.attention.sdpa import AttentionMetadata, PagedKVCache, paged_attention
+from stepahead.attention import paged_attention
+from stepahead.attention.paged_cache import PagedKVCache
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -119,7 +120,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
         self.scale = a.head_dim ** -0.5
 
-    def forward(self, x, cos, sin, kv, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x, cos, sin, kv, meta) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -174,7 +175,7 @@ class LlamaForCausalLM(nn.Module):
         self.rope_cache = torch.stack((emb.cos(), emb.sin()), dim=1).to(dtype=dtype, device=device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: PagedKVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         cs = self.rope_cache.index_select(0, positions)  # [T, 2, hd]
         cos, sin = cs[:, 0:1], cs[:, 1:2]

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from stepahead.bench.serve import arrival_gaps
+from stepahead.bench.serve import arrival_gaps, prompt_tokenizer
 from stepahead.bench.serve_metrics import RequestResult, compute_metrics, format_result
 from stepahead.entrypoints.cli import main
 from tests.entrypoints.openai.server_utils import RemoteServer
@@ -20,18 +20,22 @@ VLLM_KEYS = {
 } | {f"{s}_{m}_ms" for s in ("mean", "median", "std", "p99") for m in ("ttft", "tpot", "itl", "e2el")}
 
 
+SERVED_NAME = "tiny-llama"  # not a folder: the bench finds the tokenizer through the model's root
+
+
 @pytest.fixture(scope="module")
 def server(tiny_llama):
-    srv = RemoteServer(tiny_llama, "--max-model-len", "256", "--num-kv-blocks", "128", "--max-num-seqs", "16")
+    srv = RemoteServer(tiny_llama, "--served-model-name", SERVED_NAME, "--max-model-len", "256",
+                       "--num-kv-blocks", "128", "--max-num-seqs", "16")
     yield srv
     srv.stop()
 
 
-def _bench(server, tiny_llama, tmp_path, *extra):
+def _bench(server, tiny_llama, tmp_path, *extra, tokenizer: bool = True):
     out = tmp_path / "result.json"
-    rc = main(["bench", "serve", "--base-url", server.url, "--tokenizer", str(tiny_llama), "--num-prompts", "10",
-               "--random-input-len", "24", "--random-output-len", "8", "--ignore-eos", "--disable-tqdm",
-               "--save-result", "--result-filename", str(out), *extra])
+    rc = main(["bench", "serve", "--base-url", server.url, *(["--tokenizer", str(tiny_llama)] if tokenizer else []),
+               "--num-prompts", "10", "--random-input-len", "24", "--random-output-len", "8", "--ignore-eos",
+               "--disable-tqdm", "--save-result", "--result-filename", str(out), *extra])
     return rc, json.loads(out.read_text())
 
 
@@ -44,7 +48,7 @@ def test_completions_report_every_vllm_metric(server, tiny_llama, tmp_path, caps
     assert res["total_output_tokens"] == 10 * 8  # from the usage chunks; ignore_eos
     assert res["total_input_tokens"] == 10 * 24  # token-id prompts: exact lengths
     assert res["max_concurrency"] == 3 and 1 <= res["max_concurrent_requests"] <= 3
-    assert res["model_id"] == str(tiny_llama) and res["request_rate"] == "inf"
+    assert res["model_id"] == SERVED_NAME and res["tokenizer_id"] == str(tiny_llama) and res["request_rate"] == "inf"
     for key in ("request_throughput", "output_throughput", "mean_ttft_ms", "mean_tpot_ms", "mean_itl_ms",
                 "mean_e2el_ms", "p99_itl_ms"):
         assert res[key] > 0, key
@@ -62,6 +66,30 @@ def test_chat_endpoint_with_poisson_arrivals(server, tiny_llama, tmp_path):
     assert sum(res["output_lens"]) == res["total_output_tokens"]
     assert all(6 <= n <= 10 for n in res["output_lens"])  # 8 * (1 +- 0.25)
     assert all(len(itl) >= 1 for itl in res["itls"]) and all(t > 0 for t in res["ttfts"])
+
+
+def test_tokenizer_comes_from_the_served_model(server, tiny_llama, tmp_path):
+    """No --model, no --tokenizer: the first model of /v1/models, its tokenizer found by its root there."""
+    rc, res = _bench(server, tiny_llama, tmp_path, "--num-prompts", "3", tokenizer=False)
+    assert rc == 0 and res["completed"] == 3
+    assert res["model_id"] == SERVED_NAME and res["tokenizer_id"] == str(tiny_llama)
+
+
+def test_missing_tokenizer_is_one_clear_line(server, capsys):
+    rc = main(["bench", "serve", "--base-url", server.url, "--model", "not-served", "--num-prompts", "2"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1
+    assert "tokenizer not found" in err and "'not-served'" in err and "pass --tokenizer" in err
+
+
+def test_tokenizer_sources_in_order(tiny_llama, tmp_path):
+    """--tokenizer, else the model name when it is loadable, else the root the server reports."""
+    _, source = prompt_tokenizer(None, str(tiny_llama), "/no/such/root")
+    assert source == str(tiny_llama)
+    _, source = prompt_tokenizer(None, SERVED_NAME, str(tiny_llama))
+    assert source == str(tiny_llama)
+    with pytest.raises(ValueError, match="not a local folder"):
+        prompt_tokenizer(str(tmp_path / "missing"), SERVED_NAME, str(tiny_llama))  # an explicit flag is not overridden
 
 
 def test_unknown_model_counts_failures(server, tiny_llama, tmp_path, capsys):

@@ -1,7 +1,7 @@
-"""Drives the torch-free scheduler with the scripted worker, as the seed's Go program does.
+"""Drives the torch-free scheduler with the scripted worker, with a batch queue of a chosen depth.
 
-Every schedule/process checks the engine-spec §2.3 invariants and records what was delivered, so a
-test only states the scenario and its expected counters.
+Every schedule/process checks the invariants (docs/design.md, "Invariants") and records what was
+delivered, so a test only states the scenario and its expected counters.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from stepahead.core.async_scheduler import AsyncScheduler
 from stepahead.core.invariants import check_after_schedule, check_scheduler
 from stepahead.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from stepahead.core.scheduler import Scheduler
-from stepahead.executor.scripted import ScriptedModel, ScriptedWorker
 from stepahead.request import Request
 from stepahead.sampling_params import SamplingParams
+from stepahead.tools.scripted_worker import ScriptedModel, ScriptedWorker
 
 EOS = 2
 
@@ -73,7 +73,7 @@ class Harness:
         return outs
 
     def step(self) -> list[EngineCoreOutput]:
-        """One engine iteration with a batch queue of self.depth (engine-spec §1.5)."""
+        """One engine iteration with a batch queue of self.depth, as EngineCore runs it."""
         if self.sched.has_requests():
             so = self.schedule()
             if len(self.in_flight) < self.depth and (so.total_num_scheduled_tokens or self.sched.has_requests()):

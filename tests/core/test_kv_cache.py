@@ -104,7 +104,7 @@ def test_eviction_order_reverse_free_and_lazy_eviction():
 
 
 def test_hits_touched_before_new_blocks_popped():
-    """S37: a request never evicts its own hit blocks, even when they sit at the head of the queue."""
+    """A request never evicts its own hit blocks, even when they sit at the head of the queue."""
     mgr = _mgr(num_blocks=5)  # 4 usable
     a = _req("a", list(range(8)))
     _admit(mgr, a)  # blocks 1, 2
@@ -150,9 +150,11 @@ def test_pop_blocks_for_free_keeps_references():
     mgr = _mgr()
     a = _req("a", list(range(8)))
     _admit(mgr, a)
+    table = mgr.req_to_blocks["a"]  # a caller may still hold the request's block table
     free = mgr.num_free_blocks
     blocks = mgr.pop_blocks_for_free(a)
     assert [b.block_id for b in blocks] == [2, 1] and mgr.num_free_blocks == free
+    assert [b.block_id for b in table] == [1, 2], "the block table itself is left as it was"
     assert "a" not in mgr.req_to_blocks
     mgr.free_blocks(blocks)
     assert mgr.num_free_blocks == free + 2

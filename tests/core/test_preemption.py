@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
+from stepahead.config import CacheConfig, SchedulerConfig
 from stepahead.core.sched_output import ModelRunnerOutput
+from stepahead.core.scheduler import Scheduler
 from stepahead.request import RequestStatus
 from tests.core.harness import EOS, Harness
 
@@ -54,7 +58,7 @@ def test_async_preemption_in_flight_deliver_mode():
     assert b.num_stale_output_tokens == b.num_in_flight_tokens > 0 and not b.drop_stale_output
     assert h.sched.waiting[0] is b
     assert not so.scheduled_new_reqs and "b" not in so.num_scheduled_tokens
-    nout = b.num_output_tokens
+    num_output_before = b.num_output_tokens
     # The stale output is delivered (appended), without touching the reset counters.
     while b.num_stale_output_tokens:
         so = h.schedule()
@@ -63,7 +67,7 @@ def test_async_preemption_in_flight_deliver_mode():
             assert b in h.sched.skipped_waiting or b in h.sched.waiting
         h.process()
         assert b.num_output_placeholders == 0 and b.num_computed_tokens == 0
-    assert b.num_output_tokens > nout
+    assert b.num_output_tokens > num_output_before
     h.run()
     assert h.delivered["b"] == h.expected_tokens("b", 10)
     assert b.num_preemptions >= 1
@@ -122,7 +126,7 @@ def test_drop_mode_via_reset_prefix_cache(depth):
     for r in reqs:
         assert r.drop_stale_output and r.num_stale_output_tokens == r.num_in_flight_tokens
         assert r.num_output_placeholders == 0 and r.num_computed_tokens == 0
-    nout = [r.num_output_tokens for r in reqs]
+    num_output_before = [r.num_output_tokens for r in reqs]
     so = h.schedule()  # drop mode: re-admitted at once, even with stale output in flight
     assert set(so.scheduled_cached_reqs.resumed_req_ids) == {r.request_id for r in reqs}
     assert so.preempted_req_ids == {r.request_id for r in reqs}
@@ -130,14 +134,14 @@ def test_drop_mode_via_reset_prefix_cache(depth):
         outs = h.process()
         assert not [o for o in outs if any(o.request_id == r.request_id and r.num_stale_output_tokens
                                            for r in reqs)]
-    assert [r.num_output_tokens for r in reqs] == nout, "dropped stale output is never appended"
+    assert [r.num_output_tokens for r in reqs] == num_output_before, "dropped stale output is never appended"
     h.run()
     for r in reqs:
         assert h.delivered[r.request_id] == h.expected_tokens(r.request_id, 8)
 
 
 def test_reset_with_nothing_in_flight_loses_no_token():
-    """P2: the discard share equals what is in flight; never a forced minimum of one."""
+    """The stale share equals what is in flight; with nothing in flight, no output is discarded."""
     h = Harness(is_async=True, depth=1)
     r = h.add("r", [3] * 5, max_tokens=6)
     for _ in range(3):
@@ -206,7 +210,7 @@ def test_victim_guard_stops_cascade():
 
 
 def test_liveness_admits_when_running_is_empty():
-    """P16: running empty, waiting non-empty, pool free -> the next schedule admits someone."""
+    """Running empty, waiting non-empty, pool free -> the next schedule admits someone."""
     h = _tight(True, 2)
     for rid in ("a", "b", "c", "d"):
         h.add(rid, [ord(rid)] * 4, max_tokens=10)
@@ -221,3 +225,32 @@ def test_liveness_admits_when_running_is_empty():
         if idle and not gated:
             assert s.running, "nothing admitted although the pool was free"
     assert all(h.delivered[r] == h.expected_tokens(r, 10) for r in "abcd")
+
+
+@pytest.mark.parametrize("is_async,depth", MODES)
+def test_request_outgrowing_a_small_pool_finishes_with_length(is_async, depth):
+    """A pool smaller than one max_model_len sequence: the request that fills it stops, the next runs.
+
+    2 usable blocks of 4 tokens hold 8 positions, so a request can reach 9 tokens. Without the cap
+    the growing request preempted itself forever and "b" never ran.
+    """
+    h = Harness(is_async=is_async, depth=depth, block_size=4, num_blocks=3, max_model_len=64)
+    h.add("a", [1] * 4, max_tokens=20)
+    h.add("b", [2] * 3, max_tokens=2)
+    h.run(max_steps=500)
+    assert h.finished["a"].finish_reason == "length"
+    assert h.delivered["a"] == h.expected_tokens("a", 9 - 4)
+    assert h.finished["b"].finish_reason == "length" and h.delivered["b"] == h.expected_tokens("b", 2)
+    assert h.sched.num_wasted_request_steps == 0
+    assert h.sched.kv_cache_manager.num_free_blocks == 2
+
+
+def test_small_pool_warns_once_at_construction(caplog):
+    with caplog.at_level(logging.WARNING, logger="stepahead.core.scheduler"):
+        Scheduler(SchedulerConfig(max_model_len=64), CacheConfig(block_size=4, num_blocks=3))
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]
+    assert "holds 8 tokens" in caplog.text and "finishes with finish_reason 'length'" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="stepahead.core.scheduler"):
+        Scheduler(SchedulerConfig(max_model_len=64), CacheConfig(block_size=4, num_blocks=17))
+    assert not caplog.records

@@ -1,6 +1,6 @@
 """Property tests: random adds, steps, outputs with random EOS, aborts, resets and tight pools.
 
-The harness checks the §2.3 invariants after every operation; at the end every request must have
+The harness checks the invariants after every operation; at the end every request must have
 received exactly the scripted tokens (async == sync, preempted == unpreempted, cached == uncached)
 and the pool must be whole again.
 """
@@ -10,7 +10,9 @@ from __future__ import annotations
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from stepahead.core.invariants import check_scheduler
 from stepahead.request import RequestStatus
+from stepahead.utils import cdiv
 from tests.core.harness import Harness
 
 configs = st.fixed_dictionaries({
@@ -49,7 +51,7 @@ def _expected(h: Harness, rid: str, prompt_len: int, max_tokens: int, eos_at: in
 def test_random_programs_keep_invariants_and_tokens(cfg, program, data):
     cfg = dict(cfg)
     # The pool holds at least one max_model_len sequence, as EngineArgs enforces.
-    cfg["num_blocks"] = -(-cfg["max_model_len"] // cfg["block_size"]) + 1 + cfg.pop("extra_blocks")
+    cfg["num_blocks"] = cdiv(cfg["max_model_len"], cfg["block_size"]) + 1 + cfg.pop("extra_blocks")
     h = Harness(**cfg)
     max_prompt = cfg["max_model_len"] - 1
     plan: dict[str, tuple[int, int, int]] = {}
@@ -79,8 +81,6 @@ def test_random_programs_keep_invariants_and_tokens(cfg, program, data):
                 aborted.add(rid)
         elif op == "reset":
             h.sched.reset_prefix_cache(reset_running_requests=arg)
-        from stepahead.core.invariants import check_scheduler
-
         check_scheduler(h.sched, [s for s, _ in h.in_flight])
     h.run(max_steps=5_000)
     for rid, (plen, max_tokens, eos_at) in plan.items():
@@ -96,6 +96,6 @@ def test_random_programs_keep_invariants_and_tokens(cfg, program, data):
     event(f"prefix hits: {h.sched.kv_cache_manager.prefix_cache_hits > 0}")
     kv = h.sched.kv_cache_manager
     assert kv.num_free_blocks == kv.num_usable_blocks and not h.sched.deferred_frees
-    assert not h.sched.requests and not h.sched._finished_in_flight
+    assert not h.sched.requests and not h.sched.finished_in_flight_tokens
     if not cfg["is_async"] and cfg["depth"] == 1:
         assert h.sched.num_wasted_request_steps == 0

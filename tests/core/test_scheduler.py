@@ -23,7 +23,9 @@ def test_add_request_validation_changes_nothing(cls):
     s.add_request(_req("a", [1, 2, 3]))
     with pytest.raises(ValueError, match="must not be empty"):
         s.add_request(_req("b", []))
-    with pytest.raises(ValueError, match="maximum context length is 16 tokens"):
+    # The input processor's wording: a prompt must leave room for one generated token.
+    msg = r"maximum context length is 16 tokens. However, you requested 17 tokens \(16 in the messages, 1 in"
+    with pytest.raises(ValueError, match=msg):
         s.add_request(_req("c", list(range(16))))
     with pytest.raises(ValueError, match="already in use"):
         s.add_request(_req("a", [4, 5]))
@@ -100,10 +102,10 @@ def test_token_by_token_stop_truncates():
     s = Scheduler(SchedulerConfig(), CacheConfig(block_size=4, num_blocks=16))
     s.add_request(_req("r", [1, 2, 3], max_tokens=10, logprobs=1))
     so = s.schedule()
-    lps = [TokenLogprobs([t], [-0.5], 1) for t in (7, EOS, 9)]
-    (o,) = s.update_from_output(so, ModelRunnerOutput(["r"], [[7, EOS, 9]], logprobs={"r": lps}))
+    token_logprobs = [TokenLogprobs([t], [-0.5], 1) for t in (7, EOS, 9)]
+    (o,) = s.update_from_output(so, ModelRunnerOutput(["r"], [[7, EOS, 9]], logprobs={"r": token_logprobs}))
     assert o.new_token_ids == [7, EOS] and o.finish_reason == "stop"
-    assert o.new_logprobs == lps[:2]
+    assert o.new_logprobs == token_logprobs[:2]
 
 
 def test_num_cached_tokens_on_first_output_only():

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from stepahead.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
-from stepahead.executor.scripted import ScriptedModel, ScriptedWorker, WorkerStateError
 from stepahead.sampling_params import SamplingParams
+from stepahead.tools.scripted_worker import ScriptedModel, ScriptedWorker, WorkerStateError
 
 
 def _new(rid, prompt, blocks):
@@ -40,8 +40,9 @@ def test_unfillable_placeholder_is_caught():
 def test_history_disagreement_is_caught():
     w = ScriptedWorker(ScriptedModel(), block_size=4, num_blocks=8)
     out = _step(w, _so([_new("a", [5, 6, 7], [1])], sched={"a": 3}))
-    tok = out.sampled_token_ids[0][0]
-    wrong = CachedRequestData(["a"], set(), [], {"a": [5, 6, 7, tok + 1]}, [None], [3], [1])
+    token_id = out.sampled_token_ids[0][0]
+    wrong = CachedRequestData(["a"], all_token_ids={"a": [5, 6, 7, token_id + 1]}, new_block_ids=[None],
+                              num_computed_tokens=[3], num_output_tokens=[1])
     with pytest.raises(WorkerStateError, match="disagrees"):
         w.execute_model(_so(cached=wrong, sched={"a": 1}, step=2))
 
@@ -49,6 +50,6 @@ def test_history_disagreement_is_caught():
 def test_computed_count_disagreement_is_caught():
     w = ScriptedWorker(ScriptedModel(), block_size=4, num_blocks=8)
     _step(w, _so([_new("a", [5, 6, 7], [1])], sched={"a": 3}))
-    off = CachedRequestData(["a"], set(), [], {}, [None], [2], [1])
+    off = CachedRequestData(["a"], new_block_ids=[None], num_computed_tokens=[2], num_output_tokens=[1])
     with pytest.raises(WorkerStateError, match="worker computed 3"):
         w.execute_model(_so(cached=off, sched={"a": 1}, step=2))

@@ -1,4 +1,4 @@
-"""`stepahead simulate` run in-process: the seed's two cases and its "Try it" questions."""
+"""`stepahead simulate` run in-process: a length finish, an EOS finish, and the waste at other depths."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from stepahead.core.simulate import add_parser
+from stepahead.tools.simulate import add_parser
 
 
 def _run(capsys, *argv: str) -> str:
@@ -37,11 +37,11 @@ def test_case2_eos_second_token_one_discarded(capsys):
 
 
 @pytest.mark.parametrize("argv,wasted", [
-    (["--eos-at", "1"], 1),  # Try it 1: EOS as the first token still wastes exactly one step
-    (["--eos-at", "2", "--depth", "3"], 2),  # Try it 2: depth 3 wastes two
+    (["--eos-at", "1"], 1),  # EOS as the first token still wastes exactly one step
+    (["--eos-at", "2", "--depth", "3"], 2),  # depth 3 wastes two
     (["--eos-at", "2", "--no-async-scheduling"], 0),
 ])
-def test_try_it(capsys, argv, wasted):
+def test_eos_waste_by_depth(capsys, argv, wasted):
     out = _run(capsys, "--max-tokens", "8", *argv)
     assert out.count("result discarded") == wasted
     assert out.splitlines()[-1].strip() == f"wasted forward passes for this request: {wasted}"
@@ -59,5 +59,5 @@ def test_core_is_torch_free():
     import sys
 
     code = ("import sys, stepahead.core.scheduler, stepahead.core.async_scheduler, stepahead.engine.core, "
-            "stepahead.core.simulate, stepahead.executor.scripted; assert 'torch' not in sys.modules")
+            "stepahead.tools.simulate, stepahead.tools.scripted_worker; assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)

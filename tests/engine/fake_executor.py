@@ -1,6 +1,6 @@
 """The scripted executor for EngineCore tests: a real worker thread, real futures, per-request state.
 
-FakeExecutor adds a call log and an overlap probe on top of stepahead.executor.scripted: when
+FakeExecutor adds a call log and an overlap probe on top of stepahead.tools.scripted_worker: when
 `hold_s` > 0, the worker holds each sampling call until the engine has submitted the next step's
 execute_model (or hold_s passes), and counts how often that happened, so a test can show that step
 N+1 was launched while step N was still unresolved.
@@ -14,9 +14,9 @@ from concurrent.futures import Future
 from stepahead.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from stepahead.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from stepahead.engine.core import EngineCore
-from stepahead.executor.scripted import ScriptedExecutor, ScriptedModel
 from stepahead.request import Request
 from stepahead.sampling_params import SamplingParams
+from stepahead.tools.scripted_worker import ScriptedExecutor, ScriptedModel
 
 EOS = 2
 

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from stepahead.engine.core import EngineDeadError
 from stepahead.sampling_params import StructuredOutputsParams
+from stepahead.tracing import TraceEvent
 from tests.engine.fake_executor import EOS, make_engine, request, run_to_completion
 
 MODES = [(False, 1), (True, 2), (True, 3), (False, 2)]
@@ -160,10 +161,9 @@ def test_stats_and_traces():
     assert s.prompt_tokens == 12 + 13 + 16 and s.generation_tokens == 40
     assert s.preemptions > 0 and s.num_total_blocks == 11 and s.num_free_blocks == 11
     events = core.drain_trace_events()
-    names = {e["name"] for e in events}
-    assert {"schedule", "update_from_output", "sample_tokens"} <= names
-    assert {e["lane"] for e in events} == {"engine", "worker"}
-    assert all(e["end"] >= e["start"] for e in events)
+    assert all(isinstance(e, TraceEvent) for e in events)
+    assert {"schedule", "update_from_output", "sample_tokens"} <= {e.name for e in events}
+    assert {e.lane for e in events} == {"engine", "worker"}
     assert core.drain_trace_events() == []
 
 

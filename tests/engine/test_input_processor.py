@@ -5,7 +5,8 @@ from transformers import AutoTokenizer
 
 from stepahead.config import ModelConfig
 from stepahead.engine.input_processor import InputProcessor
-from stepahead.sampling_params import SamplingParams
+from stepahead.sampling_params import SamplingParams, StructuredOutputsParams
+from stepahead.validation import InvalidInputError
 
 MAX_LEN = 64
 VOCAB = 2048
@@ -88,3 +89,20 @@ def test_too_long_prompt_rejected(processor):
 def test_stop_token_ids_checked_against_vocab(processor):
     with pytest.raises(ValueError, match="stop_token_ids"):
         processor.process("r", [5], SamplingParams(stop_token_ids=[VOCAB + 1]))
+
+
+@pytest.mark.parametrize("prompt, param", [
+    ("", "prompt"), ([5, VOCAB], "prompt_token_ids"), ([5, "a"], "prompt_token_ids"), (3.5, "prompt"),
+])
+def test_errors_are_typed_and_name_the_field(processor, prompt, param):
+    with pytest.raises(InvalidInputError) as raised:
+        processor.process("r", prompt, SamplingParams())
+    assert raised.value.param == param and isinstance(raised.value, ValueError)
+
+
+def test_structured_outputs_are_refused(processor):
+    """The one check the offline LLM and the server share: a constraint would otherwise be ignored."""
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+"))
+    with pytest.raises(InvalidInputError, match="structured outputs are not supported yet") as raised:
+        processor.process("r", [5, 6], params)
+    assert raised.value.param == "structured_outputs"

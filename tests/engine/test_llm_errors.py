@@ -8,6 +8,9 @@ import signal
 import pytest
 
 from stepahead import LLM, SamplingParams
+from stepahead.errors import EngineDeadError
+from stepahead.sampling_params import StructuredOutputsParams
+from stepahead.validation import InvalidInputError
 
 MAX_MODEL_LEN = 64  # of the module's `llm` (tests/engine/conftest.py)
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -47,6 +50,19 @@ def test_bad_request_leaves_a_stream_in_flight_untouched(llm, expected):
     assert [t for d in [first, *rest] for t in d.outputs[0].token_ids] == expected
 
 
+@pytest.mark.parametrize("constraint", [{"regex": "a+"}, {"json": {"type": "object"}}, {"choice": ["yes", "no"]}])
+def test_structured_outputs_are_refused_not_ignored(llm, expected, constraint):
+    """No grammar backend is built in: a constraint is an error, never unconstrained text."""
+    params = SamplingParams(max_tokens=6, structured_outputs=StructuredOutputsParams(**constraint))
+    before = llm.stats()
+    with pytest.raises(InvalidInputError, match="structured outputs are not supported yet") as raised:
+        llm.generate([GOOD, GOOD], [PARAMS, params], use_tqdm=False)
+    assert raised.value.param == "structured_outputs" and isinstance(raised.value, ValueError)
+    assert llm.stats().prompt_tokens == before.prompt_tokens  # nothing of the batch ran
+    (out,) = llm.generate(GOOD, PARAMS, use_tqdm=False)
+    assert out.outputs[0].token_ids == expected
+
+
 def test_bad_sampling_params_list_length(llm):
     with pytest.raises(ValueError, match="one per prompt"):
         llm.generate([GOOD, GOOD], [PARAMS], use_tqdm=False)
@@ -62,18 +78,20 @@ def test_killed_worker_raises_clear_error(tiny_llama, when):
     llm = LLM(str(tiny_llama), executor="mp", max_model_len=64)
     try:
         llm.generate(GOOD, PARAMS, use_tqdm=False)
-        died = r"engine died.*worker process \(pid \d+\) died unexpectedly \(killed by signal 9\)"
+        died = r"engine core died.*worker process \(pid \d+\) died unexpectedly \(killed by signal 9\)"
+        # The engine's own error reaches the caller as it is (and is still a RuntimeError).
         if when == "between_calls":
             os.kill(llm._executor.worker_pid, signal.SIGKILL)
-            with pytest.raises(RuntimeError, match=died):
+            with pytest.raises(EngineDeadError, match=died) as raised:
                 llm.generate([GOOD, GOOD], PARAMS, use_tqdm=False)
         else:
             stream = llm.generate_stream(GOOD, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
             next(stream)
             os.kill(llm._executor.worker_pid, signal.SIGKILL)
-            with pytest.raises(RuntimeError, match=died):
+            with pytest.raises(EngineDeadError, match=died) as raised:
                 list(stream)
-        with pytest.raises(RuntimeError, match="died earlier"):
+        assert isinstance(raised.value, RuntimeError)
+        with pytest.raises(EngineDeadError, match="died earlier"):
             llm.generate(GOOD, PARAMS, use_tqdm=False)
     finally:
         llm.shutdown()

@@ -11,7 +11,7 @@ import pytest
 
 from stepahead import LLM, SamplingParams
 from stepahead.engine.arg_utils import EngineArgs
-from stepahead.entrypoints.cli import build_parser
+from stepahead.entrypoints.cli import build_parser, main
 from stepahead.entrypoints.engine_flags import add_engine_args, engine_args_from_namespace
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,6 +60,24 @@ def test_interactive_chat_streams_and_exits(tiny_llama, reference):
 def test_bad_argument_is_a_clear_error(tiny_llama):
     proc = _stepahead("generate", PROMPT, "--model", str(tiny_llama), "--max-tokens", "0", "--executor", "uni")
     assert proc.returncode == 2 and "max_tokens must be >= 1" in proc.stderr
+
+
+def test_engine_failure_is_an_error_message_and_status_1(tiny_model_factory, tmp_path, capsys):
+    """stepahead's own failures (here the worker's, at startup) are caught by type: exit status 1, no traceback
+    of the CLI (the message carries the worker's)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "broken"
+    shutil.copytree(tiny_model_factory("llama"), folder)
+    weights = load_file(folder / "model.safetensors")
+    del weights["lm_head.weight"]  # the config still reads; loading the weights in the worker fails
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    capsys.readouterr()
+    assert main(["generate", PROMPT, "--model", str(folder), "--executor", "mp"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: stepahead worker process failed to start") and "missing 1 weights" in err
 
 
 def test_engine_flags_use_vllm_spelling():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -16,7 +17,9 @@ import pytest
 from stepahead.core.async_scheduler import AsyncScheduler
 from stepahead.engine.arg_utils import EngineArgs
 from stepahead.executor import make_executor
+from stepahead.executor.abstract import WorkerError
 from stepahead.executor.mp import MultiprocExecutor
+from stepahead.executor.spawn import stop_process
 from stepahead.executor.uni import UniProcExecutor
 from stepahead.request import Request
 from stepahead.sampling_params import SamplingParams
@@ -116,11 +119,11 @@ def test_worker_error_fails_pending_and_later_calls(tiny_llama, kind):
     executor = make_executor(_config(tiny_llama, kind))
     try:
         bad = executor.sample_tokens(None)  # no execute_model before it: the runner raises
-        with pytest.raises(RuntimeError, match="sample_tokens.*without a preceding execute_model"):
+        with pytest.raises(WorkerError, match="sample_tokens.*without a preceding execute_model"):
             bad.result(timeout=60)
-        with pytest.raises(RuntimeError, match="stepahead worker"):
+        with pytest.raises(WorkerError, match="stepahead worker"):
             executor.sample_tokens(None).result(timeout=60)
-        with pytest.raises(RuntimeError):
+        with pytest.raises(WorkerError):
             executor.check_health()
         if kind == "mp":
             executor._proc.join(timeout=30)
@@ -140,9 +143,9 @@ def test_killed_worker_resolves_pending_futures(tiny_llama):
         pending = [executor.execute_model(sched.schedule()), executor.sample_tokens(None)]
         os.kill(pid, signal.SIGKILL)
         for fut in pending:
-            with pytest.raises(RuntimeError, match=rf"worker process \(pid {pid}\) died unexpectedly \(killed by signal 9\)"):
+            with pytest.raises(WorkerError, match=rf"worker process \(pid {pid}\) died unexpectedly \(killed by signal 9\)"):
                 fut.result(timeout=60)
-        with pytest.raises(RuntimeError, match="died unexpectedly"):
+        with pytest.raises(WorkerError, match="died unexpectedly"):
             executor.sample_tokens(None).result(timeout=60)
     finally:
         executor.shutdown()
@@ -188,7 +191,7 @@ def test_startup_failure_is_reported(tiny_model_factory, tmp_path):
     shutil.copytree(tiny_model_factory("llama"), folder)
     config = _config(folder, "mp")
     (folder / "model.safetensors").write_bytes(b"not weights")  # breaks after the config was read
-    with pytest.raises(RuntimeError, match="worker process failed to start: loading the model failed"):
+    with pytest.raises(WorkerError, match="worker process failed to start: loading the model failed"):
         MultiprocExecutor(config)
     with pytest.raises(Exception):  # noqa: B017 - uni raises the loader's own error, whatever its type
         UniProcExecutor(config)
@@ -228,3 +231,24 @@ def test_large_calls_and_results_cross_the_pipes(tiny_llama):
             outs = llm.generate(prompts, params, use_tqdm=False)
             results[kind] = [(o.outputs[0].token_ids, [sorted(d) for d in o.outputs[0].logprobs]) for o in outs]
     assert results["mp"] == results["uni"]
+
+
+def _sleep_until_killed(ready, ignore_sigterm: bool) -> None:
+    if ignore_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    ready.set()
+    while True:
+        time.sleep(1)
+
+
+@pytest.mark.parametrize("ignore_sigterm, exitcode", [(False, -signal.SIGTERM), (True, -signal.SIGKILL)])
+def test_stop_process_terminates_then_kills(ignore_sigterm, exitcode):
+    """The one stop for the mp worker and the server's engine process: SIGTERM, then SIGKILL, never an orphan."""
+    spawn = multiprocessing.get_context("spawn")
+    ready = spawn.Event()
+    proc = spawn.Process(target=_sleep_until_killed, args=(ready, ignore_sigterm), daemon=True)
+    stop_process(proc, exit_wait_s=0.0, grace_s=0.5)  # never started: nothing to stop
+    proc.start()
+    assert ready.wait(timeout=120)
+    stop_process(proc, exit_wait_s=0.0, grace_s=0.5)
+    assert proc.exitcode == exitcode and not _pid_alive(proc.pid)

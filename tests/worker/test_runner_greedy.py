@@ -111,7 +111,7 @@ def test_partial_prefill_returns_empty_and_unscheduled_keep_state(references):
 
 
 def test_decode_groups_bound_padding():
-    from stepahead.worker.model_runner import decode_groups
+    from stepahead.attention.sdpa import decode_groups
 
     assert decode_groups([1] * 8 + [10] * 4) == [(0, 8), (8, 12)]
     assert decode_groups([1, 1, 10]) == [(0, 3)]  # too few rows to split

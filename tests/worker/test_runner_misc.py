@@ -35,10 +35,10 @@ def test_trace_events_and_busy_time(tiny_llama):
     sched.add("a", list(range(10, 30)), 2)
     sched.add("b", list(range(40, 45)), 2)
     out = sched.step()
-    names = [e["name"] for e in out.trace_events]
+    names = [e.name for e in out.trace_events]
     assert names == ["prepare_inputs", "forward", "sample"]
-    assert all(e["lane"] == "worker" and e["end"] >= e["start"] for e in out.trace_events)
-    assert out.trace_events[0]["args"] == {"num_reqs": 2, "num_tokens": 25}
+    assert all(e.lane == "worker" and e.end >= e.start for e in out.trace_events)
+    assert out.trace_events[0].args == {"num_reqs": 2, "num_tokens": 25}
     assert out.busy_s > 0
 
 

@@ -24,6 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
 from stepahead.engine.async_llm import AsyncLLM
+from stepahead.entrypoints.engine_flags import engine_args_from_namespace
 from stepahead.entrypoints.openai.errors import APIError, APIKeyMiddleware, install_error_handlers
 from stepahead.entrypoints.openai.metrics import ServerMetrics, log_stats_periodically
 from stepahead.entrypoints.openai.protocol import (
@@ -34,6 +35,7 @@ from stepahead.entrypoints.openai.protocol import (
     ModelList,
     TokenizeRequest,
 )
+from stepahead.entrypoints.openai.server_args import make_parser
 from stepahead.entrypoints.openai.serving_chat import OpenAIServingChat, render_chat
 from stepahead.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from stepahead.entrypoints.openai.serving_utils import ServedModel
@@ -107,37 +109,38 @@ def build_app(engine: AsyncLLM, model: ServedModel, api_key: str | None = None,
     @app.post("/tokenize", dependencies=[Depends(accepting)])
     async def tokenize(body: TokenizeRequest) -> JSONResponse:
         model.check(body.model)
-        tok = engine.tokenizer
+        tokenizer = engine.tokenizer
         if body.messages is not None:
-            text = render_chat(tok, body.messages, body.add_generation_prompt, body.continue_final_message, None)
+            text = render_chat(tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message, None)
             add_special = bool(body.add_special_tokens)
         elif body.prompt is not None:
             text = body.prompt
             add_special = True if body.add_special_tokens is None else body.add_special_tokens
         else:
             raise APIError("Either prompt or messages is required", 400, "prompt")
-        tokens = list(tok.encode(text, add_special_tokens=add_special))
-        out: dict = {"count": len(tokens), "max_model_len": model.max_model_len, "tokens": tokens}
+        tokens = list(tokenizer.encode(text, add_special_tokens=add_special))
+        body_out: dict = {"count": len(tokens), "max_model_len": model.max_model_len, "tokens": tokens}
         if body.return_token_strs:
-            out["token_strs"] = tok.convert_ids_to_tokens(tokens)
-        return JSONResponse(out)
+            body_out["token_strs"] = tokenizer.convert_ids_to_tokens(tokens)
+        return JSONResponse(body_out)
 
     @app.post("/detokenize", dependencies=[Depends(accepting)])
     async def detokenize(body: DetokenizeRequest) -> JSONResponse:
         model.check(body.model)
-        vocab = engine.model_config.vocab_size
-        bad = [t for t in body.tokens if not 0 <= t < vocab]
-        if bad:
-            raise APIError(f"tokens must be token ids in [0, {vocab}), got {bad[:8]}", 400, "tokens")
+        vocab_size = engine.model_config.vocab_size
+        out_of_vocab = [token_id for token_id in body.tokens if not 0 <= token_id < vocab_size]
+        if out_of_vocab:
+            raise APIError(f"tokens must be token ids in [0, {vocab_size}), got {out_of_vocab[:8]}", 400, "tokens")
         return JSONResponse({"prompt": engine.tokenizer.decode(body.tokens)})
 
     return app
 
 
 def served_model(engine: AsyncLLM, requested_name: str | None, model_arg: str | None) -> ServedModel:
-    mc = engine.model_config
-    name = requested_name or mc.served_model_name or model_arg or Path(mc.model).name.removesuffix(".gguf")
-    return ServedModel(names=[name], root=mc.model, max_model_len=mc.max_model_len)
+    model_config = engine.model_config
+    name = (requested_name or model_config.served_model_name or model_arg
+            or Path(model_config.model).name.removesuffix(".gguf"))
+    return ServedModel(names=[name], root=model_config.model, max_model_len=model_config.max_model_len)
 
 
 class _Server(uvicorn.Server):
@@ -161,11 +164,12 @@ class _Server(uvicorn.Server):
         self._captured_signals.clear()
 
     def _begin_shutdown(self) -> None:
-        n = self._engine.num_in_flight
+        in_flight = self._engine.num_in_flight
         if self._shutdown_timeout > 0:
-            logger.info("Shutting down: draining %d in-flight request(s) for up to %.0f s", n, self._shutdown_timeout)
+            logger.info("Shutting down: draining %d in-flight request(s) for up to %.0f s", in_flight,
+                        self._shutdown_timeout)
         else:
-            logger.info("Shutting down: aborting %d in-flight request(s)", n)
+            logger.info("Shutting down: aborting %d in-flight request(s)", in_flight)
             self._engine.abort_all(RuntimeError("The server is shutting down"))
 
 
@@ -185,18 +189,15 @@ def resolve_api_key(ns: argparse.Namespace, env) -> str | None:
 
 
 def non_default_args(ns: argparse.Namespace, defaults: argparse.Namespace) -> dict:
-    out = {}
-    for k, v in sorted(vars(ns).items()):
-        if k in ("func", "command") or getattr(defaults, k, None) == v:
+    changed = {}
+    for name, value in sorted(vars(ns).items()):
+        if name in ("func", "command") or getattr(defaults, name, None) == value:
             continue
-        out[k] = "**REDACTED**" if k == "api_key" else v
-    return out
+        changed[name] = "**REDACTED**" if name == "api_key" else value
+    return changed
 
 
 async def run_server(ns: argparse.Namespace) -> int:
-    from stepahead.entrypoints.engine_flags import engine_args_from_namespace
-    from stepahead.entrypoints.openai.serve_cli import make_parser
-
     api_key = resolve_api_key(ns, os.environ)
     sock = bind_socket(ns.host, ns.port)
     host, port = sock.getsockname()[:2]
@@ -225,7 +226,8 @@ async def run_server(ns: argparse.Namespace) -> int:
     state = ServerState()
     model = served_model(engine, ns.served_model_name, engine_args.model)
     app = build_app(engine, model, api_key, state)
-    routes = ", ".join(sorted(r.path for r in app.routes if not r.path.startswith(("/docs", "/redoc", "/openapi"))))
+    routes = ", ".join(sorted(route.path for route in app.routes
+                              if not route.path.startswith(("/docs", "/redoc", "/openapi"))))
     logger.info("Serving model %r; routes: %s", model.name, routes)
     uv_config = uvicorn.Config(app, log_level=ns.uvicorn_log_level, lifespan="off",
                                timeout_graceful_shutdown=max(ns.shutdown_timeout, 1.0))
@@ -262,8 +264,6 @@ def run(ns: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from stepahead.entrypoints.openai.serve_cli import make_parser
-
     return run(make_parser().parse_args(argv))
 
 

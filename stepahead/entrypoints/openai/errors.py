@@ -20,7 +20,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from stepahead.engine.async_llm import EngineDeadError
+from stepahead.errors import EngineDeadError
+from stepahead.validation import InvalidInputError
 
 logger = logging.getLogger("stepahead.entrypoints.openai")
 
@@ -62,6 +63,8 @@ def error_from_exception(e: BaseException) -> APIError:
     """The status a failure maps to: bad input 400, engine failures 500."""
     if isinstance(e, APIError):
         return e
+    if isinstance(e, InvalidInputError):
+        return APIError(str(e), 400, e.param)
     if isinstance(e, (ValueError, TypeError, OverflowError)):
         return APIError(str(e), 400, _param_of(str(e)))
     if isinstance(e, EngineDeadError):
@@ -70,9 +73,9 @@ def error_from_exception(e: BaseException) -> APIError:
 
 
 def _param_of(message: str) -> str | None:
-    """Our ValueErrors start with the field name ("top_p must be in (0, 1], got 2.0")."""
-    m = re.match(r"([a-z_]+) (must|is|are) ", message)
-    return m.group(1) if m else None
+    """A ValueError that names a field first ("top_p must be in (0, 1], got 2.0"): that field."""
+    field = re.match(r"([a-z_]+) (must|is|are) ", message)
+    return field.group(1) if field else None
 
 
 def _sanitize(message: str) -> str:
@@ -82,7 +85,7 @@ def _sanitize(message: str) -> str:
 def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     parts, param = [], None
     for err in exc.errors():
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        loc = [str(part) for part in err.get("loc", ()) if part != "body"]
         if param is None and loc:
             param = loc[0]
         where = ".".join(loc)

@@ -36,12 +36,12 @@ E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 
 def _token_buckets(max_model_len: int) -> list[float]:
     """1-2-5 buckets up to the context length."""
-    out, scale = [], 1
+    buckets, scale = [], 1
     while True:
-        for m in (1, 2, 5):
-            if m * scale > max_model_len:
-                return out
-            out.append(float(m * scale))
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_model_len:
+                return buckets
+            buckets.append(float(mantissa * scale))
         scale *= 10
 
 
@@ -53,34 +53,34 @@ class EngineStatsCollector(Collector):
         self._labels = {"model_name": model_name}
 
     def collect(self) -> Iterator[Metric]:
-        s = self._get_stats()
-        yield self._gauge("num_requests_running", "Requests in model-execution batches.", s.num_running)
-        yield self._gauge("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
-        yield self._gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", s.kv_cache_usage)
-        yield self._gauge("kv_cache_free_blocks", "KV-cache blocks in the free pool.", s.num_free_blocks)
-        yield self._gauge("kv_cache_total_blocks", "Usable KV-cache blocks.", s.num_total_blocks)
+        stats = self._get_stats()
+        yield self._gauge("num_requests_running", "Requests in model-execution batches.", stats.num_running)
+        yield self._gauge("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting)
+        yield self._gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", stats.kv_cache_usage)
+        yield self._gauge("kv_cache_free_blocks", "KV-cache blocks in the free pool.", stats.num_free_blocks)
+        yield self._gauge("kv_cache_total_blocks", "Usable KV-cache blocks.", stats.num_total_blocks)
         yield self._gauge("worker_utilization", "Worker busy time / wall time while the engine had work.",
-                          s.utilization)
-        yield self._counter("prefix_cache_queries", "Prefix-cache lookups, in tokens.", s.prefix_cache_queries)
-        yield self._counter("prefix_cache_hits", "Prefix-cache hits, in tokens.", s.prefix_cache_hits)
-        yield self._counter("num_preemptions", "Cumulative preemptions.", s.preemptions)
-        yield self._counter("prompt_tokens", "Prefill tokens processed.", s.prompt_tokens)
-        yield self._counter("generation_tokens", "Generation tokens processed.", s.generation_tokens)
-        yield self._counter("forward_steps", "Non-empty steps executed by the worker.", s.forward_steps)
+                          stats.utilization)
+        yield self._counter("prefix_cache_queries", "Prefix-cache lookups, in tokens.", stats.prefix_cache_queries)
+        yield self._counter("prefix_cache_hits", "Prefix-cache hits, in tokens.", stats.prefix_cache_hits)
+        yield self._counter("num_preemptions", "Cumulative preemptions.", stats.preemptions)
+        yield self._counter("prompt_tokens", "Prefill tokens processed.", stats.prompt_tokens)
+        yield self._counter("generation_tokens", "Generation tokens processed.", stats.generation_tokens)
+        yield self._counter("forward_steps", "Non-empty steps executed by the worker.", stats.forward_steps)
         yield self._counter("wasted_request_steps",
-                            "Request slots computed for requests that had already finished.", s.wasted_request_steps)
-        yield self._counter("worker_busy_seconds", "Time the worker spent executing steps.", s.busy_s)
-        yield self._counter("engine_busy_wall_seconds", "Wall time during which the engine had work.", s.wall_s)
+                            "Request slots computed for requests that had already finished.", stats.wasted_request_steps)
+        yield self._counter("worker_busy_seconds", "Time the worker spent executing steps.", stats.busy_s)
+        yield self._counter("engine_busy_wall_seconds", "Wall time during which the engine had work.", stats.wall_s)
 
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
-        m = GaugeMetricFamily(PREFIX + name, doc, labels=list(self._labels))
-        m.add_metric(list(self._labels.values()), value)
-        return m
+        family = GaugeMetricFamily(PREFIX + name, doc, labels=list(self._labels))
+        family.add_metric(list(self._labels.values()), value)
+        return family
 
     def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
-        m = CounterMetricFamily(PREFIX + name, doc, labels=list(self._labels))
-        m.add_metric(list(self._labels.values()), value)
-        return m
+        family = CounterMetricFamily(PREFIX + name, doc, labels=list(self._labels))
+        family.add_metric(list(self._labels.values()), value)
+        return family
 
 
 class ServerMetrics:
@@ -106,17 +106,17 @@ class ServerMetrics:
         for reason in FINISH_REASONS:  # present (at 0) from the start, so rates work from the first scrape
             self.success.labels(model_name, reason)
 
-    def record(self, it: IterationStats, engine_stats: EngineStats | None) -> None:
-        for v in it.ttfts_s:
-            self.ttft.observe(v)
-        for v in it.itls_s:
-            self.itl.observe(v)
-        for f in it.finished:
-            self.success.labels(self.model_name, f.finish_reason).inc()
-            if f.finish_reason != "abort":
-                self.e2e.observe(f.e2e_s)
-                self.req_prompt.observe(f.num_prompt_tokens)
-                self.req_gen.observe(f.num_generation_tokens)
+    def record(self, iteration: IterationStats, engine_stats: EngineStats | None) -> None:
+        for ttft_s in iteration.ttfts_s:
+            self.ttft.observe(ttft_s)
+        for itl_s in iteration.itls_s:
+            self.itl.observe(itl_s)
+        for finished in iteration.finished:
+            self.success.labels(self.model_name, finished.finish_reason).inc()
+            if finished.finish_reason != "abort":
+                self.e2e.observe(finished.e2e_s)
+                self.req_prompt.observe(finished.num_prompt_tokens)
+                self.req_gen.observe(finished.num_generation_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -124,17 +124,19 @@ class ServerMetrics:
 
 async def log_stats_periodically(get_stats: Callable[[], EngineStats], interval_s: float = 10.0) -> None:
     """vLLM's periodic engine line, skipped while the engine is idle and nothing changed."""
-    prev, t_prev = get_stats(), time.monotonic()
+    previous, previous_time = get_stats(), time.monotonic()
     while True:
         await asyncio.sleep(interval_s)
-        cur, now = get_stats(), time.monotonic()
-        dt = max(now - t_prev, 1e-9)
-        prompt, gen = cur.prompt_tokens - prev.prompt_tokens, cur.generation_tokens - prev.generation_tokens
-        if prompt or gen or cur.num_running or cur.num_waiting:
-            queries = cur.prefix_cache_queries - prev.prefix_cache_queries
-            hits = cur.prefix_cache_hits - prev.prefix_cache_hits
+        current, now = get_stats(), time.monotonic()
+        elapsed_s = max(now - previous_time, 1e-9)
+        prompt_tokens = current.prompt_tokens - previous.prompt_tokens
+        generated_tokens = current.generation_tokens - previous.generation_tokens
+        if prompt_tokens or generated_tokens or current.num_running or current.num_waiting:
+            queries = current.prefix_cache_queries - previous.prefix_cache_queries
+            hits = current.prefix_cache_hits - previous.prefix_cache_hits
             logger.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
                         "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%, "
-                        "Worker utilization: %.1f%%", prompt / dt, gen / dt, cur.num_running, cur.num_waiting,
-                        100 * cur.kv_cache_usage, 100 * hits / queries if queries else 0.0, 100 * cur.utilization)
-        prev, t_prev = cur, now
+                        "Worker utilization: %.1f%%", prompt_tokens / elapsed_s, generated_tokens / elapsed_s,
+                        current.num_running, current.num_waiting, 100 * current.kv_cache_usage,
+                        100 * hits / queries if queries else 0.0, 100 * current.utilization)
+        previous, previous_time = current, now

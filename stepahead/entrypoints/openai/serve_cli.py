@@ -1,45 +1,21 @@
-"""`stepahead serve [MODEL]`: the OpenAI-compatible server's flags (server ones here, engine ones shared)."""
+"""`stepahead serve [MODEL]`: registers the server's subcommand with the `stepahead` command."""
 
 from __future__ import annotations
 
 import argparse
 
-from stepahead.entrypoints.engine_flags import add_engine_args
-
-
-def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    add_engine_args(parser, positional_model=True, exclude={"trace"})
-    group = parser.add_argument_group("server")
-    group.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    group.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one "
-                       "(default: %(default)s)")
-    group.add_argument("--api-key", default=None,
-                       help="require 'Authorization: Bearer KEY' on /v1/* (default: $STEPAHEAD_API_KEY)")
-    group.add_argument("--shutdown-timeout", type=float, default=0.0,
-                       help="on SIGINT/SIGTERM, drain in-flight requests for up to this many seconds; "
-                            "0 aborts them (default: %(default)s)")
-    group.add_argument("--uvicorn-log-level", default="warning",
-                       choices=["critical", "error", "warning", "info", "debug", "trace"])
-    # Instead of the engine's --trace switch: a file to write the trace to at shutdown.
-    group.add_argument("--trace", dest="trace_file", default=None, metavar="FILE.json",
-                       help="record engine and worker events and write a Chrome trace there on shutdown")
-    return parser
-
-
-def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="stepahead serve", description="OpenAI-compatible HTTP server")
-    return add_server_args(parser)
+from stepahead.entrypoints.openai.server_args import DESCRIPTION, add_server_args
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("serve", help="start the OpenAI-compatible HTTP server",
-                                   description="OpenAI-compatible HTTP server")
+    parser = subparsers.add_parser("serve", help="start the OpenAI-compatible HTTP server", description=DESCRIPTION)
     add_server_args(parser)
     parser.set_defaults(func=_run)
     return parser
 
 
 def _run(ns: argparse.Namespace) -> int:
+    # Imported on use: FastAPI and uvicorn load only for the subcommand that needs them.
     from stepahead.entrypoints.openai.api_server import run
 
     return run(ns)

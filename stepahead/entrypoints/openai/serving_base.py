@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from stepahead.engine.async_llm import AsyncLLM, RequestStream
+from stepahead.engine.input_processor import PromptType
 from stepahead.entrypoints.openai.protocol import SamplingFields
 from stepahead.entrypoints.openai.serving_utils import (
     SSE_DONE,
@@ -31,6 +32,8 @@ from stepahead.entrypoints.openai.serving_utils import (
     with_cancellation,
 )
 from stepahead.outputs import CompletionOutput, Logprob, RequestOutput
+from stepahead.sampling_params import SamplingParams
+from stepahead.validation import InvalidInputError
 
 
 @dataclass
@@ -77,6 +80,16 @@ class OpenAIServing:
         reject_unsupported(req)
         return model_name
 
+    def add_request(self, req: SamplingFields, request_id: str, prompt: PromptType, params: SamplingParams,
+                    stream: RequestStream | None = None) -> RequestStream:
+        """Submit one prompt; a rejection names the field the client sent."""
+        try:
+            return self.engine.add_request(request_id, prompt, params, stream)
+        except InvalidInputError as e:
+            if e.param == "structured_outputs" and req.structured_outputs is None:
+                e.param = "response_format"  # the client asked through OpenAI's field
+            raise
+
     async def respond(self, ctx: ResponseContext, stream: RequestStream, raw_request: Request) -> Response:
         if ctx.req.stream:
             return SSEResponse(self._stream(ctx, stream))
@@ -87,12 +100,14 @@ class OpenAIServing:
     def new_choice(self) -> Choice:
         return Choice()
 
-    def choice_index(self, ctx: ResponseContext, ro: RequestOutput, co: CompletionOutput) -> int:
-        return co.index
+    def choice_index(self, ctx: ResponseContext, request_output: RequestOutput,
+                     completion: CompletionOutput) -> int:
+        return completion.index
 
-    def delta_text(self, ctx: ResponseContext, ch: Choice, ro: RequestOutput, co: CompletionOutput) -> str:
+    def delta_text(self, ctx: ResponseContext, choice: Choice, request_output: RequestOutput,
+                   completion: CompletionOutput) -> str:
         """The text this delta adds to the choice."""
-        return co.text
+        return completion.text
 
     def delta_body(self, text: str) -> dict:
         """The endpoint's text field(s) of a streamed choice."""
@@ -102,11 +117,11 @@ class OpenAIServing:
         """Streamed choices sent before any output."""
         return []
 
-    def logprobs_of(self, ctx: ResponseContext, ch: Choice, token_ids: list[int],
+    def logprobs_of(self, ctx: ResponseContext, choice: Choice, token_ids: list[int],
                     entries: list[dict[int, Logprob]]) -> BaseModel:
         raise NotImplementedError
 
-    def keep_logprobs(self, ch: Choice, lp: BaseModel) -> None:
+    def keep_logprobs(self, choice: Choice, logprobs: BaseModel) -> None:
         """Non-streaming: add a delta's logprobs to the choice's."""
         raise NotImplementedError
 
@@ -115,41 +130,42 @@ class OpenAIServing:
 
     # -- the flow ----------------------------------------------------------------------------------
 
-    def _take_logprobs(self, ctx: ResponseContext, ch: Choice, co: CompletionOutput, flush: bool) -> BaseModel | None:
+    def _take_logprobs(self, ctx: ResponseContext, choice: Choice, completion: CompletionOutput,
+                       flush: bool) -> BaseModel | None:
         """Queue this delta's logprobs; return those of the tokens whose text is being sent."""
-        if ctx.top_logprobs is None or co.logprobs is None:
+        if ctx.top_logprobs is None or completion.logprobs is None:
             return None
-        ch.pending_ids.extend(co.token_ids)
-        ch.pending_lps.extend(co.logprobs)
-        if not (flush or co.text or co.finish_reason is not None):
+        choice.pending_ids.extend(completion.token_ids)
+        choice.pending_lps.extend(completion.logprobs)
+        if not (flush or completion.text or completion.finish_reason is not None):
             return None
-        lp = self.logprobs_of(ctx, ch, ch.pending_ids, ch.pending_lps)
-        ch.pending_ids, ch.pending_lps = [], []
-        return lp
+        logprobs = self.logprobs_of(ctx, choice, choice.pending_ids, choice.pending_lps)
+        choice.pending_ids, choice.pending_lps = [], []
+        return logprobs
 
     async def _deltas(self, stream: RequestStream,
                       prompt_tokens: dict[str, int]) -> AsyncIterator[tuple[RequestOutput, CompletionOutput]]:
         """Every choice delta of the stream; records each prompt's length; a failed choice raises."""
         async with contextlib.aclosing(self.engine.stream_outputs(stream)) as outputs:
-            async for ro in outputs:
-                prompt_tokens[ro.request_id] = len(ro.prompt_token_ids)
-                for co in ro.outputs:
-                    check_finish(co.finish_reason, co.stop_reason)
-                    yield ro, co
+            async for request_output in outputs:
+                prompt_tokens[request_output.request_id] = len(request_output.prompt_token_ids)
+                for completion in request_output.outputs:
+                    check_finish(completion.finish_reason, completion.stop_reason)
+                    yield request_output, completion
 
     async def _collect(self, ctx: ResponseContext, stream: RequestStream) -> JSONResponse:
         choices: dict[int, Choice] = {}
         prompt_tokens: dict[str, int] = {}
         async with contextlib.aclosing(self._deltas(stream, prompt_tokens)) as deltas:
-            async for ro, co in deltas:
-                ch = choices.setdefault(self.choice_index(ctx, ro, co), self.new_choice())
-                text = self.delta_text(ctx, ch, ro, co)
-                lp = self._take_logprobs(ctx, ch, co, flush=True)
-                if lp is not None:
-                    self.keep_logprobs(ch, lp)
-                ch.text += text
-                ch.num_tokens += len(co.token_ids)
-                ch.finish_reason, ch.stop_reason = co.finish_reason, co.stop_reason
+            async for request_output, completion in deltas:
+                choice = choices.setdefault(self.choice_index(ctx, request_output, completion), self.new_choice())
+                text = self.delta_text(ctx, choice, request_output, completion)
+                logprobs = self._take_logprobs(ctx, choice, completion, flush=True)
+                if logprobs is not None:
+                    self.keep_logprobs(choice, logprobs)
+                choice.text += text
+                choice.num_tokens += len(completion.token_ids)
+                choice.finish_reason, choice.stop_reason = completion.finish_reason, completion.stop_reason
         resp = self.response(ctx, sorted(choices.items()), _usage(prompt_tokens, choices))
         return JSONResponse(resp.model_dump(mode="json"))
 
@@ -160,21 +176,21 @@ class OpenAIServing:
             for delta in self.first_deltas(ctx):
                 yield ctx.chunk([delta])
             async with contextlib.aclosing(self._deltas(stream, prompt_tokens)) as deltas:
-                async for ro, co in deltas:
-                    index = self.choice_index(ctx, ro, co)
-                    ch = choices.setdefault(index, self.new_choice())
-                    ch.num_tokens += len(co.token_ids)
-                    text = self.delta_text(ctx, ch, ro, co)
-                    lp = self._take_logprobs(ctx, ch, co, flush=False)
-                    if not text and co.finish_reason is None:
+                async for request_output, completion in deltas:
+                    index = self.choice_index(ctx, request_output, completion)
+                    choice = choices.setdefault(index, self.new_choice())
+                    choice.num_tokens += len(completion.token_ids)
+                    text = self.delta_text(ctx, choice, request_output, completion)
+                    logprobs = self._take_logprobs(ctx, choice, completion, flush=False)
+                    if not text and completion.finish_reason is None:
                         continue  # no empty deltas
                     yield ctx.chunk([{
                         "index": index, **self.delta_body(text),
-                        "logprobs": None if lp is None else lp.model_dump(mode="json"),
-                        "finish_reason": co.finish_reason, "stop_reason": co.stop_reason,
+                        "logprobs": None if logprobs is None else logprobs.model_dump(mode="json"),
+                        "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
                     }])
-            so = ctx.req.stream_options
-            if so is not None and so.include_usage:
+            stream_options = ctx.req.stream_options
+            if stream_options is not None and stream_options.include_usage:
                 yield ctx.chunk([], _usage(prompt_tokens, choices))
         except Exception as e:  # noqa: BLE001 - after the 200 header an error can only be an event
             yield sse_error(e)
@@ -182,4 +198,4 @@ class OpenAIServing:
 
 
 def _usage(prompt_tokens: dict[str, int], choices: dict[int, Choice]) -> dict:
-    return usage(sum(prompt_tokens.values()), sum(c.num_tokens for c in choices.values()))
+    return usage(sum(prompt_tokens.values()), sum(choice.num_tokens for choice in choices.values()))

@@ -39,10 +39,10 @@ def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: b
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(NO_TEMPLATE, 400, "messages")
     conversation = []
-    for i, m in enumerate(messages):
-        entry = {"role": m.role, "content": _flatten_content(m, i)}
-        if m.name is not None:
-            entry["name"] = m.name
+    for index, message in enumerate(messages):
+        entry = {"role": message.role, "content": _flatten_content(message, index)}
+        if message.name is not None:
+            entry["name"] = message.name
         conversation.append(entry)
     kwargs = dict(template_kwargs or {})
     if continue_final_message:
@@ -56,15 +56,15 @@ def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: b
         raise APIError(f"The chat template could not render these messages: {e}", 400, "messages") from e
 
 
-def _flatten_content(m: ChatMessage, i: int) -> str:
-    if m.content is None:
+def _flatten_content(message: ChatMessage, index: int) -> str:
+    if message.content is None:
         return ""
-    if isinstance(m.content, str):
-        return m.content
+    if isinstance(message.content, str):
+        return message.content
     texts = []
-    for part in m.content:
+    for part in message.content:
         if part.type != "text" or part.text is None:
-            raise APIError(f"messages[{i}].content: only text parts are supported, got type {part.type!r}", 400,
+            raise APIError(f"messages[{index}].content: only text parts are supported, got type {part.type!r}", 400,
                            "messages")
         texts.append(part.text)
     return "\n".join(texts)
@@ -72,14 +72,14 @@ def _flatten_content(m: ChatMessage, i: int) -> str:
 
 def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], top_n: int, decode) -> ChatLogprobs:
     content = []
-    for tid, entry in zip(token_ids, entries, strict=False):
-        sampled = entry.get(tid)
-        token = token_text(tid, sampled, decode)
+    for token_id, entry in zip(token_ids, entries, strict=False):
+        sampled = entry.get(token_id)
+        token = token_text(token_id, sampled, decode)
         top = []
-        for t, lp in sorted(entry.items(), key=lambda kv: kv[1].rank):
-            if lp.rank <= top_n and len(top) < top_n:
-                text = token_text(t, lp, decode)
-                top.append(TopLogprob(token=text, logprob=clamp(lp.logprob), bytes=list(text.encode())))
+        for other_id, other in sorted(entry.items(), key=lambda kv: kv[1].rank):
+            if other.rank <= top_n and len(top) < top_n:
+                text = token_text(other_id, other, decode)
+                top.append(TopLogprob(token=text, logprob=clamp(other.logprob), bytes=list(text.encode())))
         content.append(ChatTokenLogprob(token=token, logprob=clamp(sampled.logprob) if sampled else LOGPROB_FLOOR,
                                         bytes=list(token.encode()), top_logprobs=top))
     return ChatLogprobs(content=content)
@@ -102,7 +102,7 @@ class OpenAIServingChat(OpenAIServing):
                            req.continue_final_message, req.chat_template_kwargs)
         prompt_ids = list(self.engine.tokenizer.encode(text, add_special_tokens=req.add_special_tokens))
         request_id = random_id("chatcmpl")
-        stream = self.engine.add_request(request_id, {"prompt_token_ids": prompt_ids, "prompt": text}, params)
+        stream = self.add_request(req, request_id, {"prompt_token_ids": prompt_ids, "prompt": text}, params)
         ctx = ResponseContext(request_id, model_name, int(time.time()), req, top_logprobs, "chat.completion.chunk")
         return await self.respond(ctx, stream, raw_request)
 
@@ -122,26 +122,26 @@ class OpenAIServingChat(OpenAIServing):
         return _ChatChoice()
 
     def first_deltas(self, ctx: ResponseContext) -> list[dict]:
-        return [{"index": i, "delta": {"role": "assistant"}, "logprobs": None, "finish_reason": None}
-                for i in range(ctx.req.n)]
+        return [{"index": index, "delta": {"role": "assistant"}, "logprobs": None, "finish_reason": None}
+                for index in range(ctx.req.n)]
 
     def delta_body(self, text: str) -> dict:
         return {"delta": {"content": text} if text else {}}
 
-    def logprobs_of(self, ctx: ResponseContext, ch: Choice, token_ids: list[int],
+    def logprobs_of(self, ctx: ResponseContext, choice: Choice, token_ids: list[int],
                     entries: list[dict[int, Logprob]]) -> ChatLogprobs:
         return chat_logprobs(token_ids, entries, ctx.top_logprobs, self.engine.tokenizer.decode)
 
-    def keep_logprobs(self, ch: _ChatChoice, lp: ChatLogprobs) -> None:
-        ch.logprobs.extend(lp.content or [])
+    def keep_logprobs(self, choice: _ChatChoice, logprobs: ChatLogprobs) -> None:
+        choice.logprobs.extend(logprobs.content or [])
 
     def response(self, ctx: ResponseContext, choices: list[tuple[int, _ChatChoice]],
                  usage_: dict) -> ChatCompletionResponse:
         return ChatCompletionResponse(
             id=ctx.request_id, created=ctx.created, model=ctx.model_name,
-            choices=[ChatChoice(index=i, message=ChatResponseMessage(content=c.text),
-                                logprobs=ChatLogprobs(content=c.logprobs) if ctx.req.logprobs else None,
-                                finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-                     for i, c in choices],
+            choices=[ChatChoice(index=index, message=ChatResponseMessage(content=choice.text),
+                                logprobs=ChatLogprobs(content=choice.logprobs) if ctx.req.logprobs else None,
+                                finish_reason=choice.finish_reason, stop_reason=choice.stop_reason)
+                     for index, choice in choices],
             usage=UsageInfo(**usage_),
         )

@@ -21,6 +21,7 @@ from stepahead.entrypoints.openai.protocol import (
 from stepahead.entrypoints.openai.serving_base import Choice, OpenAIServing, ResponseContext
 from stepahead.entrypoints.openai.serving_utils import clamp, sampling_params_of, token_text
 from stepahead.outputs import CompletionOutput, Logprob, RequestOutput
+from stepahead.sampling_params import SamplingParams
 
 
 @dataclass
@@ -38,20 +39,20 @@ class _CompletionContext(ResponseContext):
 def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], top_n: int, offset: int,
                         decode) -> tuple[CompletionLogprobs, int]:
     """OpenAI's legacy form: tokens, token_logprobs, top_logprobs (top-N plus the sampled token)."""
-    out = CompletionLogprobs()
-    for tid, entry in zip(token_ids, entries, strict=False):
-        sampled = entry.get(tid)
-        token = token_text(tid, sampled, decode)
-        out.tokens.append(token)
-        out.token_logprobs.append(clamp(sampled.logprob) if sampled is not None else None)
-        out.text_offset.append(offset)
+    result = CompletionLogprobs()
+    for token_id, entry in zip(token_ids, entries, strict=False):
+        sampled = entry.get(token_id)
+        token = token_text(token_id, sampled, decode)
+        result.tokens.append(token)
+        result.token_logprobs.append(clamp(sampled.logprob) if sampled is not None else None)
+        result.text_offset.append(offset)
         offset += len(token)
         top = {}
-        for t, lp in sorted(entry.items(), key=lambda kv: kv[1].rank):
-            if lp.rank <= top_n or t == tid:
-                top[token_text(t, lp, decode)] = clamp(lp.logprob)
-        out.top_logprobs.append(top)
-    return out, offset
+        for other_id, other in sorted(entry.items(), key=lambda kv: kv[1].rank):
+            if other.rank <= top_n or other_id == token_id:
+                top[token_text(other_id, other, decode)] = clamp(other.logprob)
+        result.top_logprobs.append(top)
+    return result, offset
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -64,24 +65,24 @@ class OpenAIServingCompletion(OpenAIServing):
         params = sampling_params_of(req, req.max_tokens, req.logprobs)
         prompts = _prompt_list(req)
         request_id = random_id("cmpl")
-        ids = [f"{request_id}-{i}" for i in range(len(prompts))]
-        stream = self._submit(ids, prompts, params, req.add_special_tokens)
+        ids = [f"{request_id}-{index}" for index in range(len(prompts))]
+        stream = self._submit(req, ids, prompts, params)
         ctx = _CompletionContext(request_id, model_name, int(time.time()), req, req.logprobs, "text_completion",
-                                 prompt_index={rid: i for i, rid in enumerate(ids)})
+                                 prompt_index={rid: index for index, rid in enumerate(ids)})
         return await self.respond(ctx, stream, raw_request)
 
-    def _submit(self, ids: list[str], prompts: list, params, add_special_tokens: bool) -> RequestStream:
+    def _submit(self, req: CompletionRequest, ids: list[str], prompts: list, params: SamplingParams) -> RequestStream:
         """All prompts into one stream; if one is rejected, those already added are aborted."""
         stream = None
         try:
-            for rid, prompt in zip(ids, prompts, strict=True):
+            for request_id, prompt in zip(ids, prompts, strict=True):
                 if isinstance(prompt, str):
                     text = prompt
-                    prompt = {"prompt_token_ids": self._encode(prompt, add_special_tokens), "prompt": text}
-                stream = self.engine.add_request(rid, prompt, params, stream)
+                    prompt = {"prompt_token_ids": self._encode(prompt, req.add_special_tokens), "prompt": text}
+                stream = self.add_request(req, request_id, prompt, params, stream)
         except BaseException:
-            for rid in stream.request_ids if stream is not None else []:
-                self.engine.abort(rid)
+            for request_id in stream.request_ids if stream is not None else []:
+                self.engine.abort(request_id)
             raise
         return stream
 
@@ -95,47 +96,52 @@ class OpenAIServingCompletion(OpenAIServing):
     def new_choice(self) -> _CompletionChoice:
         return _CompletionChoice()
 
-    def choice_index(self, ctx: _CompletionContext, ro: RequestOutput, co: CompletionOutput) -> int:
-        return ctx.prompt_index[ro.request_id] * ctx.req.n + co.index
+    def choice_index(self, ctx: _CompletionContext, request_output: RequestOutput,
+                     completion: CompletionOutput) -> int:
+        return ctx.prompt_index[request_output.request_id] * ctx.req.n + completion.index
 
-    def delta_text(self, ctx: ResponseContext, ch: _CompletionChoice, ro: RequestOutput, co: CompletionOutput) -> str:
-        if ctx.req.echo and not ch.echoed:  # the prompt goes before the choice's first text
-            ch.echoed = True
-            prompt = ro.prompt if ro.prompt is not None else self.engine.tokenizer.decode(ro.prompt_token_ids)
-            return prompt + co.text
-        return co.text
+    def delta_text(self, ctx: ResponseContext, choice: _CompletionChoice, request_output: RequestOutput,
+                   completion: CompletionOutput) -> str:
+        if ctx.req.echo and not choice.echoed:  # the prompt goes before the choice's first text
+            choice.echoed = True
+            prompt = request_output.prompt
+            if prompt is None:
+                prompt = self.engine.tokenizer.decode(request_output.prompt_token_ids)
+            return prompt + completion.text
+        return completion.text
 
     def delta_body(self, text: str) -> dict:
         return {"text": text}
 
-    def logprobs_of(self, ctx: ResponseContext, ch: _CompletionChoice, token_ids: list[int],
+    def logprobs_of(self, ctx: ResponseContext, choice: _CompletionChoice, token_ids: list[int],
                     entries: list[dict[int, Logprob]]) -> CompletionLogprobs:
-        lp, ch.text_offset = completion_logprobs(token_ids, entries, ctx.top_logprobs, ch.text_offset,
+        logprobs, choice.text_offset = completion_logprobs(token_ids, entries, ctx.top_logprobs, choice.text_offset,
                                                  self.engine.tokenizer.decode)
-        return lp
+        return logprobs
 
-    def keep_logprobs(self, ch: _CompletionChoice, lp: CompletionLogprobs) -> None:
-        if ch.logprobs is None:
-            ch.logprobs = CompletionLogprobs()
+    def keep_logprobs(self, choice: _CompletionChoice, logprobs: CompletionLogprobs) -> None:
+        if choice.logprobs is None:
+            choice.logprobs = CompletionLogprobs()
         for name in ("text_offset", "token_logprobs", "tokens", "top_logprobs"):
-            getattr(ch.logprobs, name).extend(getattr(lp, name))
+            getattr(choice.logprobs, name).extend(getattr(logprobs, name))
 
     def response(self, ctx: ResponseContext, choices: list[tuple[int, _CompletionChoice]],
                  usage_: dict) -> CompletionResponse:
         return CompletionResponse(
             id=ctx.request_id, created=ctx.created, model=ctx.model_name,
-            choices=[CompletionChoice(index=i, text=c.text, logprobs=c.logprobs, finish_reason=c.finish_reason,
-                                      stop_reason=c.stop_reason) for i, c in choices],
+            choices=[CompletionChoice(index=index, text=choice.text, logprobs=choice.logprobs,
+                                      finish_reason=choice.finish_reason, stop_reason=choice.stop_reason)
+                     for index, choice in choices],
             usage=UsageInfo(**usage_),
         )
 
 
 def _prompt_list(req: CompletionRequest) -> list:
-    p = req.prompt
-    if isinstance(p, str):
-        return [p]
-    if not p:
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
         raise APIError("prompt must not be empty", 400, "prompt")
-    if isinstance(p[0], int):
-        return [list(p)]
-    return list(p)
+    if isinstance(prompt[0], int):
+        return [list(prompt)]
+    return list(prompt)

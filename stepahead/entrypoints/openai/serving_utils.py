@@ -65,35 +65,24 @@ def reject_unsupported(req: SamplingFields) -> None:
         raise APIError("Stream options can only be defined when `stream=True`.", 400, "stream_options")
 
 
-# The engine has no grammar backend wired in yet (Scheduler.structured_output_manager is None), so a
-# constraint would be silently ignored: refuse it instead. Flip this when a backend lands.
-STRUCTURED_OUTPUTS_SUPPORTED = False
-
-
 def structured_outputs_of(req: SamplingFields) -> StructuredOutputsParams | None:
-    params = _structured_outputs_of(req)
-    if params is not None and not STRUCTURED_OUTPUTS_SUPPORTED:
-        param = "structured_outputs" if req.structured_outputs is not None else "response_format"
-        raise APIError("structured outputs (response_format json_object/json_schema, structured_outputs) are not "
-                       "supported by this server yet", 400, param)
-    return params
-
-
-def _structured_outputs_of(req: SamplingFields) -> StructuredOutputsParams | None:
-    so = req.structured_outputs
-    rf = req.response_format
-    if rf is not None and rf.type != "text":
-        if so is not None:
+    """The grammar constraint of response_format or structured_outputs (whether the engine supports it
+    is the input processor's check, shared with the offline LLM)."""
+    structured = req.structured_outputs
+    response_format = req.response_format
+    if response_format is not None and response_format.type != "text":
+        if structured is not None:
             raise APIError("Only one of response_format and structured_outputs may be set", 400, "response_format")
-        if rf.type == "json_object":
+        if response_format.type == "json_object":
             return StructuredOutputsParams(json={"type": "object"})
-        schema = (rf.json_schema or {}).get("schema")
+        schema = (response_format.json_schema or {}).get("schema")
         if schema is None:
             raise APIError("response_format.json_schema.schema is required", 400, "response_format")
         return StructuredOutputsParams(json=schema)
-    if so is None:
+    if structured is None:
         return None
-    return StructuredOutputsParams(json=so.json_schema, regex=so.regex, choice=so.choice, grammar=so.grammar)
+    return StructuredOutputsParams(json=structured.json_schema, regex=structured.regex, choice=structured.choice,
+                                   grammar=structured.grammar)
 
 
 def sampling_params_of(req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -137,10 +126,10 @@ def clamp(logprob: float) -> float:
     return max(logprob, LOGPROB_FLOOR)
 
 
-def token_text(token_id: int, lp: Logprob | None, decode) -> str:
+def token_text(token_id: int, logprob: Logprob | None, decode) -> str:
     """A token's text: the detokenizer's when it has one, else decoded alone."""
-    if lp is not None and lp.decoded_token is not None:
-        return lp.decoded_token
+    if logprob is not None and logprob.decoded_token is not None:
+        return logprob.decoded_token
     return decode([token_id])
 
 

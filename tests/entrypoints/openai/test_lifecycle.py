@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from stepahead.entrypoints.openai.api_server import resolve_api_key
-from stepahead.entrypoints.openai.serve_cli import make_parser
+from stepahead.entrypoints.openai.server_args import make_parser
 from tests.entrypoints.openai.conftest import MODEL_NAME, SERVER_ARGS
 from tests.entrypoints.openai.server_utils import RemoteServer, alive, wait_until, worker_pid
 

@@ -1,4 +1,8 @@
-"""The seed's Go program (async-scheduling.md "Code"), reproduced on the real scheduler."""
+"""One request traced through the real scheduler, step by step (docs/design.md, "EOS waste").
+
+A 6-token prompt with a budget of 4 tokens: two prefill chunks, then one token per step. Case 1
+finishes at max_tokens and wastes nothing; case 2 samples EOS while the next step is in flight.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +11,6 @@ import pytest
 from tests.core.harness import EOS, Harness
 
 PROMPT = [11, 12, 13, 14, 15, 16]
-
-
 
 
 def _scheduled_tokens(h: Harness) -> list[int]:
@@ -48,8 +50,8 @@ def test_eos_wastes_depth_minus_one_steps(eos_at, depth, wasted):
     assert sum(1 for c in counts if c) == 2 + eos_at + wasted - 1
 
 
-def test_case2_trace_matches_seed():
-    """Placeholders rise at schedule and fall at output, as in the seed's printout."""
+def test_case2_counters_step_by_step():
+    """Placeholders rise when a step is scheduled and fall when its token arrives."""
     h = Harness(budget=4)
     r = h.add("r0", PROMPT, max_tokens=8, eos_at=2)
     h.schedule()

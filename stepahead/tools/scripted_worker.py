@@ -22,8 +22,9 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from stepahead.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from stepahead.core.sched_output import CachedRequestData, GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from stepahead.executor.abstract import Executor
+from stepahead.tracing import TraceEvent
 
 
 class WorkerStateError(RuntimeError):
@@ -64,31 +65,31 @@ class ScriptedWorker:
         self._pending: list[tuple[str, bool]] | None = None  # (req id, samples) of the executed step
         self.num_steps = 0
 
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         if self._pending is not None:
             raise WorkerStateError("execute_model before the previous step was sampled")
-        for rid in so.finished_req_ids:
+        for rid in scheduler_output.finished_req_ids:
             self.states.pop(rid, None)
-        for new in so.scheduled_new_reqs:
+        for new in scheduler_output.scheduled_new_reqs:
             self.states[new.req_id] = _ReqState(len(new.prompt_token_ids), list(new.prompt_token_ids),
                                                 list(new.block_ids), new.num_computed_tokens)
-        cached = so.scheduled_cached_reqs
+        cached = scheduler_output.scheduled_cached_reqs
         for k, rid in enumerate(cached.req_ids):
             self._update_cached(rid, k, cached)
         rows: list[tuple[str, bool]] = []
-        for rid, n in so.num_scheduled_tokens.items():
-            st = self.states.get(rid)
-            if st is None:
-                raise WorkerStateError(f"step {so.step_id} schedules unknown request {rid}")
-            start = st.num_computed_tokens
-            if start + n > len(st.token_ids):
+        for rid, num_scheduled in scheduler_output.num_scheduled_tokens.items():
+            state = self.states.get(rid)
+            if state is None:
+                raise WorkerStateError(f"step {scheduler_output.step_id} schedules unknown request {rid}")
+            start = state.num_computed_tokens
+            if start + num_scheduled > len(state.token_ids):
                 raise WorkerStateError(
-                    f"{rid}: positions {start}..{start + n - 1} scheduled, but the worker knows only "
-                    f"{len(st.token_ids)} tokens (a placeholder it cannot fill)")
-            for pos in range(start, start + n):
-                self._write_kv(rid, st, pos)
-            st.num_computed_tokens = start + n
-            rows.append((rid, st.num_computed_tokens == len(st.token_ids)))
+                    f"{rid}: positions {start}..{start + num_scheduled - 1} scheduled, but the worker knows only "
+                    f"{len(state.token_ids)} tokens (a placeholder it cannot fill)")
+            for pos in range(start, start + num_scheduled):
+                self._write_kv(rid, state, pos)
+            state.num_computed_tokens = start + num_scheduled
+            rows.append((rid, state.num_computed_tokens == len(state.token_ids)))
         if not rows:
             return ModelRunnerOutput.empty()
         self._pending = rows
@@ -101,61 +102,62 @@ class ScriptedWorker:
         rows, self._pending = self._pending, None
         req_ids, sampled = [], []
         for rid, samples in rows:
-            st = self.states[rid]
+            state = self.states[rid]
             req_ids.append(rid)
             if not samples:  # partial prefill: the sample is discarded
                 sampled.append([])
                 continue
             if self.verify_kv:
-                self._verify_context(rid, st)
-            tok = self.model.token(rid, len(st.token_ids) - st.prompt_len)
-            st.token_ids.append(tok)
-            sampled.append([tok])
+                self._verify_context(rid, state)
+            token_id = self.model.token(rid, len(state.token_ids) - state.prompt_len)
+            state.token_ids.append(token_id)
+            sampled.append([token_id])
         return ModelRunnerOutput(req_ids, sampled)
 
-    def _update_cached(self, rid: str, k: int, cached) -> None:
-        st = self.states.get(rid)
+    def _update_cached(self, rid: str, k: int, cached: CachedRequestData) -> None:
+        state = self.states.get(rid)
         resumed = rid in cached.resumed_req_ids
         all_ids = cached.all_token_ids.get(rid)
-        if st is None and all_ids is None:
+        if state is None and all_ids is None:
             raise WorkerStateError(f"cached request {rid} unknown to the worker and sent without history")
         num_output = cached.num_output_tokens[k]
-        if st is None:
+        if state is None:
             raise WorkerStateError(f"{rid}: history resent for a request the worker never saw")
         if all_ids is not None:
-            common = min(len(all_ids), len(st.token_ids))
-            if st.token_ids[:common] != all_ids[:common]:
+            common = min(len(all_ids), len(state.token_ids))
+            if state.token_ids[:common] != all_ids[:common]:
                 raise WorkerStateError(f"{rid}: scheduler history disagrees with the worker's")
-            # The longer history holds the other; trim to real + placeholder outputs (§7.12).
-            src = st.token_ids if len(st.token_ids) >= len(all_ids) else all_ids
-            st.token_ids = list(src[:st.prompt_len + num_output])
-        if not resumed and st.num_computed_tokens != cached.num_computed_tokens[k]:
-            raise WorkerStateError(f"{rid}: worker computed {st.num_computed_tokens}, scheduler says "
+            # The longer history holds the other. Trim it to what the scheduler counts (real outputs
+            # plus placeholders): anything past that was sampled by a step whose output it dropped.
+            longer = state.token_ids if len(state.token_ids) >= len(all_ids) else all_ids
+            state.token_ids = list(longer[:state.prompt_len + num_output])
+        if not resumed and state.num_computed_tokens != cached.num_computed_tokens[k]:
+            raise WorkerStateError(f"{rid}: worker computed {state.num_computed_tokens}, scheduler says "
                                    f"{cached.num_computed_tokens[k]}")
-        if len(st.token_ids) - st.prompt_len != num_output:
-            raise WorkerStateError(f"{rid}: worker holds {len(st.token_ids) - st.prompt_len} output tokens, "
+        if len(state.token_ids) - state.prompt_len != num_output:
+            raise WorkerStateError(f"{rid}: worker holds {len(state.token_ids) - state.prompt_len} output tokens, "
                                    f"scheduler counts {num_output} (real + placeholders)")
         new_blocks = cached.new_block_ids[k]
         if resumed:
-            st.block_ids = list(new_blocks or [])
+            state.block_ids = list(new_blocks or [])
         elif new_blocks:
-            st.block_ids.extend(new_blocks)
-        st.num_computed_tokens = cached.num_computed_tokens[k]
+            state.block_ids.extend(new_blocks)
+        state.num_computed_tokens = cached.num_computed_tokens[k]
 
-    def _slot(self, rid: str, st: _ReqState, pos: int) -> int:
-        bi = pos // self.block_size
-        if bi >= len(st.block_ids):
-            raise WorkerStateError(f"{rid}: no block for position {pos} (table {st.block_ids})")
-        return st.block_ids[bi] * self.block_size + pos % self.block_size
+    def _slot(self, rid: str, state: _ReqState, pos: int) -> int:
+        block_index = pos // self.block_size
+        if block_index >= len(state.block_ids):
+            raise WorkerStateError(f"{rid}: no block for position {pos} (table {state.block_ids})")
+        return state.block_ids[block_index] * self.block_size + pos % self.block_size
 
-    def _write_kv(self, rid: str, st: _ReqState, pos: int) -> None:
-        self.kv[self._slot(rid, st, pos)] = (st.token_ids[pos], pos)
+    def _write_kv(self, rid: str, state: _ReqState, pos: int) -> None:
+        self.kv[self._slot(rid, state, pos)] = (state.token_ids[pos], pos)
 
-    def _verify_context(self, rid: str, st: _ReqState) -> None:
-        for pos, tok in enumerate(st.token_ids):
-            got = self.kv[self._slot(rid, st, pos)]
-            if got != (tok, pos):
-                raise WorkerStateError(f"{rid}: KV at position {pos} holds {got}, expected {(tok, pos)}")
+    def _verify_context(self, rid: str, state: _ReqState) -> None:
+        for pos, token_id in enumerate(state.token_ids):
+            got = self.kv[self._slot(rid, state, pos)]
+            if got != (token_id, pos):
+                raise WorkerStateError(f"{rid}: KV at position {pos} holds {got}, expected {(token_id, pos)}")
 
 
 class ScriptedExecutor(Executor):
@@ -179,44 +181,43 @@ class ScriptedExecutor(Executor):
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> Future[ModelRunnerOutput]:
         return self._submit(self._sample, grammar_output)
 
-    def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         if self.fail_at_step is not None and self.worker.num_steps + 1 >= self.fail_at_step \
-                and so.total_num_scheduled_tokens > 0:
+                and scheduler_output.total_num_scheduled_tokens > 0:
             raise RuntimeError(f"scripted worker failure at step {self.worker.num_steps + 1}")
-        return self.worker.execute_model(so)
+        return self.worker.execute_model(scheduler_output)
 
     def _sample(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
-        t0 = time.perf_counter()
+        start = time.monotonic()
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
         out = self.worker.sample_tokens(grammar_output)
-        t1 = time.perf_counter()
-        out.busy_s = t1 - t0
-        out.trace_events = [{"name": "sample_tokens", "lane": "worker", "start": time.monotonic() - (t1 - t0),
-                             "end": time.monotonic(), "args": {"num_reqs": len(out.req_ids)}}]
+        end = time.monotonic()
+        out.busy_s = end - start
+        out.trace_events = [TraceEvent("sample_tokens", "worker", start, end, {"num_reqs": len(out.req_ids)})]
         if self.on_step is not None:
             self.on_step(self.worker)
         return out
 
     def _submit(self, fn, arg) -> Future:
-        fut: Future = Future()
-        self._queue.put((fn, arg, fut))
-        return fut
+        future: Future = Future()
+        self._queue.put((fn, arg, future))
+        return future
 
     def _loop(self) -> None:
         while True:
             item = self._queue.get()
             if item is None:
                 return
-            fn, arg, fut = item
+            fn, arg, future = item
             if self._error is not None:  # a dead worker fails every later call too
-                fut.set_exception(RuntimeError(f"worker is dead: {self._error!r}"))
+                future.set_exception(RuntimeError(f"worker is dead: {self._error!r}"))
                 continue
             try:
-                fut.set_result(fn(arg))
+                future.set_result(fn(arg))
             except BaseException as e:  # noqa: BLE001 - reported through the future
                 self._error = e
-                fut.set_exception(e)
+                future.set_exception(e)
 
     def check_health(self) -> None:
         if self._error is not None:

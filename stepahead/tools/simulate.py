@@ -1,8 +1,10 @@
-"""`stepahead simulate`: the seed's Go program, run on the real scheduler and EngineCore loop.
+"""`stepahead simulate`: one request traced through the real scheduler and EngineCore loop.
 
 One request goes through the engine with a scripted model (no torch, no weights). Every schedule
 and every processed output is printed with the scheduler's counters, and the forward passes wasted
-on an already-finished request are counted at the end.
+on an already-finished request are counted at the end (docs/design.md, "EOS waste"). With the
+defaults, a 6-token prompt and a budget of 4 tokens, the printout shows placeholders rising when a
+step is scheduled and falling when its token arrives.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ from typing import TextIO
 from stepahead.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from stepahead.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from stepahead.engine.core import EngineCore
-from stepahead.executor.scripted import ScriptedExecutor, ScriptedModel
 from stepahead.request import Request
 from stepahead.sampling_params import SamplingParams
+from stepahead.tools.scripted_worker import ScriptedExecutor, ScriptedModel
+from stepahead.utils import cdiv
 
 RID = "r0"
 EOS = 2
@@ -32,38 +35,41 @@ class _TracingEngineCore(EngineCore):
         self.num_out = 0
 
     def _schedule(self) -> SchedulerOutput:
-        so = super()._schedule()
-        n = so.num_scheduled_tokens.get(RID)
+        scheduler_output = super()._schedule()
+        step_id = scheduler_output.step_id
+        num_scheduled = scheduler_output.num_scheduled_tokens.get(RID)
         req = self.scheduler.requests.get(RID)
-        if n and req is not None:
-            self.out.write(f"  schedule step {so.step_id}: {n} token(s)  -> computed={req.num_computed_tokens} "
-                           f"known={req.num_tokens} placeholders={req.num_output_placeholders}\n")
+        if num_scheduled and req is not None:
+            self.out.write(f"  schedule step {step_id}: {num_scheduled} token(s)  -> "
+                           f"computed={req.num_computed_tokens} known={req.num_tokens} "
+                           f"placeholders={req.num_output_placeholders}\n")
         elif req is not None:
-            self.out.write(f"  schedule step {so.step_id}: nothing for {RID} (the steps in flight reach max_tokens)\n")
-        return so
+            self.out.write(f"  schedule step {step_id}: nothing for {RID} (the steps in flight reach max_tokens)\n")
+        return scheduler_output
 
-    def _update(self, so: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        n = so.num_scheduled_tokens.get(RID)
+    def _update(self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        step_id = scheduler_output.step_id
+        num_scheduled = scheduler_output.num_scheduled_tokens.get(RID)
         finished_before = RID not in self.scheduler.requests
-        outputs = super()._update(so, out)
-        if not n:
+        outputs = super()._update(scheduler_output, model_output)
+        if not num_scheduled:
             return outputs
         if finished_before:
-            self.out.write(f"  output   step {so.step_id}: request already finished, result discarded\n")
+            self.out.write(f"  output   step {step_id}: request already finished, result discarded\n")
             return outputs
         mine = [o for o in outputs if o.request_id == RID]
         if not mine:
-            self.out.write(f"  output   step {so.step_id}: prefill chunk, nothing sampled\n")
+            self.out.write(f"  output   step {step_id}: prefill chunk, nothing sampled\n")
             return outputs
-        o = mine[0]
-        req = self.request  # still readable after it finished: the seed prints its last counters
-        self.num_out += len(o.new_token_ids)
+        output = mine[0]
+        req = self.request  # still readable after it finished: the last counters are printed too
+        self.num_out += len(output.new_token_ids)
         what = f"token {self.num_out}"
-        if o.finish_reason == "stop":
+        if output.finish_reason == "stop":
             what += " = EOS, finished (stop)"
-        elif o.finish_reason == "length":
+        elif output.finish_reason == "length":
             what += ", finished (length)"
-        self.out.write(f"  output   step {so.step_id}: {what}  -> known={req.num_tokens} "
+        self.out.write(f"  output   step {step_id}: {what}  -> known={req.num_tokens} "
                        f"placeholders={req.num_output_placeholders}\n")
         return outputs
 
@@ -75,7 +81,7 @@ def simulate(prompt_len: int, max_num_batched_tokens: int, max_tokens: int, eos_
     depth = depth or (2 if async_scheduling else 1)
     block_size = 16
     max_model_len = prompt_len + max_tokens + 1
-    num_blocks = -(-max_model_len // block_size) + 2
+    num_blocks = cdiv(max_model_len, block_size) + 2
     config = EngineConfig(
         model_config=ModelConfig(model="scripted", architecture="Scripted", hf_config={}, dtype="float32",
                                  max_model_len=max_model_len, vocab_size=1000, num_layers=1, num_kv_heads=1,

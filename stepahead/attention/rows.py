@@ -1,0 +1,20 @@
+"""BatchRow: one request's place in a step's flattened batch, as every attention path needs it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from stepahead.utils import cdiv
+
+
+@dataclass
+class BatchRow:
+    """One row (request) of a step's flattened batch, as attention sees it."""
+
+    start: int  # index of its first new token in the flattened batch
+    num_new_tokens: int
+    num_computed_tokens: int  # tokens already in the KV cache before this step
+    block_ids: list[int]  # the request's block table (covers at least its tokens after this step)
+
+    def blocks_needed(self, block_size: int) -> int:
+        return cdiv(self.num_computed_tokens + self.num_new_tokens, block_size)

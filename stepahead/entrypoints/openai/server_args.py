@@ -1,0 +1,35 @@
+"""The OpenAI-compatible server's flags: server ones here, engine ones shared with every subcommand.
+
+Read by both `stepahead serve` (serve_cli.py) and `python -m stepahead.entrypoints.openai.api_server`.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from stepahead.entrypoints.engine_flags import add_engine_args
+
+DESCRIPTION = "OpenAI-compatible HTTP server"
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    add_engine_args(parser, positional_model=True, exclude={"trace"})
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    group.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one "
+                       "(default: %(default)s)")
+    group.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on /v1/* (default: $STEPAHEAD_API_KEY)")
+    group.add_argument("--shutdown-timeout", type=float, default=0.0,
+                       help="on SIGINT/SIGTERM, drain in-flight requests for up to this many seconds; "
+                            "0 aborts them (default: %(default)s)")
+    group.add_argument("--uvicorn-log-level", default="warning",
+                       choices=["critical", "error", "warning", "info", "debug", "trace"])
+    # Instead of the engine's --trace switch: a file to write the trace to at shutdown.
+    group.add_argument("--trace", dest="trace_file", default=None, metavar="FILE.json",
+                       help="record engine and worker events and write a Chrome trace there on shutdown")
+    return parser
+
+
+def make_parser() -> argparse.ArgumentParser:
+    return add_server_args(argparse.ArgumentParser(prog="stepahead serve", description=DESCRIPTION))
