@@ -26,7 +26,7 @@ from stepahead.models.loader import TORCH_DTYPES, load_model
 from stepahead.tracing import TraceEvent
 from stepahead.utils import cdiv
 from stepahead.worker.request_state import CachedRequestState
-from stepahead.worker.sampler import RowSampling, apply_bitmask, sample
+from stepahead.worker.sampler import RowSampling, apply_bitmask, sample_rows
 from stepahead.worker.staging import StagingBuffer
 
 
@@ -107,9 +107,6 @@ class ModelRunner:
 
     # ---- state updates from the scheduler's diffs ----
 
-    def _new_generator(self, seed: int | None) -> torch.Generator | None:
-        return None if seed is None else torch.Generator(device=self.device).manual_seed(seed)
-
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
@@ -117,7 +114,7 @@ class ModelRunner:
         for new in scheduler_output.scheduled_new_reqs:
             self.requests[new.req_id] = CachedRequestState(
                 new.req_id, list(new.prompt_token_ids), list(new.prompt_token_ids), list(new.block_ids),
-                new.num_computed_tokens, new.sampling_params, self._new_generator(new.sampling_params.seed))
+                new.num_computed_tokens, new.sampling_params)
             self.prev_req_id_to_row.pop(new.req_id, None)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -262,7 +259,7 @@ class ModelRunner:
         num_outputs = len(state.token_ids) - state.num_prompt_tokens
         # The output history is copied only for rows whose penalties read it.
         outputs = state.output_token_ids if params.uses_penalties else []
-        return RowSampling(params, state.generator, state.prompt_token_ids, outputs, stop_ids, num_outputs)
+        return RowSampling(params, state.prompt_token_ids, outputs, stop_ids, num_outputs)
 
     def _apply_grammar_bitmask(self, logits: torch.Tensor, step: _StepState, grammar_output: GrammarOutput) -> None:
         """Mask the logits of the rows whose request has a grammar (the bitmask has one row per such request)."""
@@ -284,7 +281,7 @@ class ModelRunner:
         if grammar_output is not None and grammar_output.grammar_bitmask is not None:
             self._apply_grammar_bitmask(logits, step, grammar_output)
         if rows:
-            tokens, row_logprobs = sample(logits, rows)
+            tokens, row_logprobs = sample_rows(logits, rows)
         else:
             tokens, row_logprobs = torch.empty(0, dtype=torch.long, device=self.device), {}
         self.prev_sampled_token_ids = tokens

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from stepahead.sampling_params import SamplingParams
 
 
@@ -19,7 +17,6 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     sampling_params: SamplingParams
-    generator: torch.Generator | None
 
     @property
     def num_prompt_tokens(self) -> int:

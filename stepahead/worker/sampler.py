@@ -1,100 +1,152 @@
-"""Token sampling for one step: grammar bitmask, min_tokens, penalties, greedy / temperature, top-k,
-top-p, min-p, per-request seeds, logprobs.
+"""Token sampling for one step, vectorized over the batch: grammar bitmask, min_tokens, penalties,
+greedy / temperature, top-k, top-p, min-p, per-request seeds, logprobs.
 
-Sampling is by inverse CDF with one uniform per row: a seeded request draws it from its own
-torch.Generator, so its tokens do not depend on what else is in the batch; unseeded rows share one
-batched draw from the global RNG. (One exponential per vocabulary entry, or a full sort for top-p,
-cost 100+ ms at batch 64 on CPU; this path costs about one exp pass plus a top-k.)
+Design. The host describes the step once (`SamplingMetadata.from_rows`: numpy, one host-to-device
+copy) and decides every branch from the parameters: all greedy, any penalties, which rows are
+truncated, how many logprobs. `sample` then runs a fixed sequence of batched tensor ops with no
+per-row Python loop and, on the GPU path, nothing read back to the host, so the sampled ids stay on
+the device (the next step can feed them as inputs) and the number of launches per step does not grow
+with the batch. `logprobs_to_host` does the host conversion once the ids have been copied anyway.
+
+- Greedy rows take an argmax and nothing else; an all-greedy step never reaches the random path, and
+  in a mixed step only the random rows are gathered into it.
+- Random rows sample by inverse CDF with one uniform each. Unseeded rows share one batched draw from
+  the global torch RNG. A seeded row's uniform is a hash of (seed, number of outputs so far) computed
+  on the device (`counter_uniforms`), so its tokens depend neither on the rest of the batch nor on
+  how often it was scheduled, and replay identically after preemption.
+- Rows with top-k/top-p sample in probability order among their best tokens. With
+  `candidate_search` (CPU) that is the top TOP_CANDIDATES tokens, and rows whose nucleus could
+  reach past them retry with 16x more (a host read, free on CPU; a full sort costs hundreds of ms at
+  batch 64 there). Without it (CUDA) the width is fixed from the parameters: the largest top-k, or
+  the whole vocabulary sorted when a row has top-p alone. Both give the same token for the same
+  uniform up to float rounding; rows without truncation sample over the vocabulary in id order.
+- Logprobs are taken after the bitmask and min_tokens, before penalties and temperature, with -inf
+  floored at LOGPROB_FLOOR.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from stepahead.core.sched_output import TokenLogprobs
 from stepahead.outputs import LOGPROB_FLOOR
-from stepahead.sampling_params import SamplingParams
+from stepahead.worker.sampling_metadata import RowSampling, SamplingMetadata
 
-TOP_CANDIDATES = 256  # top-k/top-p rows sample among this many best tokens unless the nucleus is wider
+__all__ = ["RowSampling", "SamplerOutput", "SamplingMetadata", "apply_bitmask", "counter_uniforms",
+           "logprobs_to_host", "sample", "sample_rows"]
+
+TOP_CANDIDATES = 256  # with candidate_search, top-k/top-p rows sample among this many unless wider
+_MASK32 = 0xFFFFFFFF
 
 
 @dataclass
-class RowSampling:
-    """What the sampler needs to know about one row that samples this step."""
+class SamplerOutput:
+    """What `sample` leaves on the device. The logprob tensors cover metadata.logprob_rows, in order."""
 
-    params: SamplingParams
-    generator: torch.Generator | None
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]  # may be empty when the row uses no penalties (only its count matters then)
-    stop_token_ids: list[int]  # suppressed while fewer than min_tokens outputs exist (eos + stop_token_ids)
-    num_output_tokens: int = -1  # -1: len(output_token_ids)
-
-    def __post_init__(self) -> None:
-        if self.num_output_tokens < 0:
-            self.num_output_tokens = len(self.output_token_ids)
+    sampled_token_ids: torch.Tensor  # [rows] int64
+    sampled_logprobs: torch.Tensor | None = None  # [L] float32: the sampled token's logprob
+    sampled_ranks: torch.Tensor | None = None  # [L] int64: its 1-based rank in the distribution
+    top_token_ids: torch.Tensor | None = None  # [L, max_num_logprobs] int64
+    top_logprobs: torch.Tensor | None = None  # [L, max_num_logprobs] float32
 
 
-def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask) -> None:
-    """Bit j of word w allows token 32*w + j; every other token of those rows is set to -inf."""
-    if bitmask is None or not rows:
+# ---- seeded uniforms ----
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """x * c mod 2**32 for x in [0, 2**32), in int64 without overflow (16-bit halves of c), so the
+    result is exact and identical on every device."""
+    lo = x * (c & 0xFFFF)
+    hi = (x * (c >> 16)) & 0xFFFF
+    return (lo + (hi << 16)) & _MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash with full avalanche (xor-shift-multiply, "lowbias32" constants)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def counter_uniforms(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """float32 uniforms in [0, 1), a pure function of (seed, counter): int64 seeds (seed_as_int64) and
+    non-negative int64 counters (the row's output index), elementwise."""
+    h = _mix32((seeds & _MASK32) ^ 0x9E3779B9)
+    h = _mix32(h ^ ((seeds >> 32) & _MASK32))
+    h = _mix32(h ^ (counters & _MASK32))
+    return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))  # 24 bits: exact in float32
+
+
+def _random_uniforms(md: SamplingMetadata, device: torch.device) -> torch.Tensor:
+    """One uniform per random row: counter-based for seeded rows, one global-RNG draw for the rest."""
+    if not md.any_seeded:
+        return torch.rand(md.num_random, device=device)
+    seeded = counter_uniforms(md.seeds, md.output_index)
+    if not md.any_unseeded:
+        return seeded
+    return torch.where(md.seeded, seeded, torch.rand(md.num_random, device=device))
+
+
+# ---- logits processing ----
+
+def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor | list[int],
+                  bitmask: np.ndarray | torch.Tensor | None) -> None:
+    """Bit j of word w of bitmask[i] allows token 32*w + j of row rows[i]; every other token of those
+    rows is set to -inf. bitmask: int32 [len(rows), words] (extra rows ignored), numpy or tensor."""
+    if bitmask is None or len(rows) == 0:
         return
-    mask = torch.as_tensor(bitmask, dtype=torch.int32).to(logits.device)
-    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
-    allowed = ((mask.unsqueeze(-1) >> bits) & 1).bool().view(mask.shape[0], -1)
-    vocab = logits.shape[1]
+    dev, vocab, n = logits.device, logits.shape[1], len(rows)
+    if isinstance(rows, torch.Tensor) or isinstance(bitmask, torch.Tensor):
+        idx = torch.as_tensor(rows).to(dev, torch.int64)
+        words = bitmask[:n].to(dev, torch.int32) if isinstance(bitmask, torch.Tensor) else \
+            _to_device(np.asarray(bitmask, dtype=np.int32)[:n], dev)
+    else:  # one copy: the row index rides along as an extra int32 column
+        host = np.concatenate((np.asarray(rows, dtype=np.int32)[:, None], np.asarray(bitmask, dtype=np.int32)[:n]),
+                              axis=1)
+        both = _to_device(host, dev)
+        idx, words = both[:, 0].long(), both[:, 1:]
+    bits = torch.arange(32, dtype=torch.int32, device=dev)
+    allowed = ((words.unsqueeze(-1) >> bits) & 1).bool().view(n, -1)
     if allowed.shape[1] < vocab:
-        pad = torch.zeros(allowed.shape[0], vocab - allowed.shape[1], dtype=torch.bool, device=logits.device)
-        allowed = torch.cat((allowed, pad), dim=1)
-    idx = torch.tensor(rows, device=logits.device)
-    logits[idx] = logits[idx].masked_fill(~allowed[: len(rows), :vocab], float("-inf"))
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    logits.index_copy_(0, idx, logits.index_select(0, idx).masked_fill_(~allowed[:, :vocab], float("-inf")))
 
 
-def _apply_min_tokens(logits: torch.Tensor, rows: list[RowSampling]) -> None:
-    for i, r in enumerate(rows):
-        if r.num_output_tokens < r.params.min_tokens and r.stop_token_ids:
-            logits[i, r.stop_token_ids] = float("-inf")
+def _to_device(host: np.ndarray, device: torch.device) -> torch.Tensor:
+    t = torch.from_numpy(np.ascontiguousarray(host))
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
-def _apply_penalties(logits: torch.Tensor, rows: list[RowSampling]) -> None:
-    """Repetition over prompt + output (divide positive, multiply negative); presence/frequency over output."""
-    vocab = logits.shape[1]
-    for i, r in enumerate(rows):
-        p = r.params
-        if not p.uses_penalties:
-            continue
-        out = torch.tensor(r.output_token_ids, dtype=torch.long, device=logits.device)
-        counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
-        row = logits[i]
-        if p.repetition_penalty != 1.0:
-            seen = counts > 0
-            prompt = torch.tensor(r.prompt_token_ids, dtype=torch.long, device=logits.device)
-            seen[prompt] = True
-            penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
-            row.copy_(torch.where(seen, penalized, row))
-        if p.frequency_penalty:
-            row -= p.frequency_penalty * counts
-        if p.presence_penalty:
-            row -= p.presence_penalty * (counts > 0).to(logits.dtype)
+def _apply_min_tokens(logits: torch.Tensor, md: SamplingMetadata) -> None:
+    neg_inf = logits.new_full((), float("-inf"))
+    logits.index_put_((md.stop_rows, md.stop_tokens), neg_inf)
 
 
-def _min_p(probs: torch.Tensor, rows: list[RowSampling], top: torch.Tensor) -> torch.Tensor:
-    minp = [r.params.min_p for r in rows]
-    if not any(m > 0 for m in minp):
-        return probs
-    m = torch.tensor(minp, device=probs.device, dtype=probs.dtype).unsqueeze(1)
-    return probs.masked_fill(probs < m * top, 0.0)
+def _apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> None:
+    """Repetition over prompt + output (divide positive logits, multiply negative ones);
+    presence/frequency over the output only. Neutral values leave a row's logits bit-identical."""
+    all_rows = md.penalty_rows.shape[0] == md.num_rows
+    x = logits if all_rows else logits.index_select(0, md.penalty_rows)
+    counts = md.output_counts
+    if md.prompt_mask is not None:
+        seen = md.prompt_mask | (counts > 0)
+        rep = md.repetition_penalty.unsqueeze(1)
+        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    x = x - md.frequency_penalty.unsqueeze(1) * counts
+    x = x - md.presence_penalty.unsqueeze(1) * (counts > 0).to(x.dtype)
+    if all_rows:
+        logits.copy_(x)
+    else:
+        logits.index_copy_(0, md.penalty_rows, x)
 
 
-def _uniforms(rows: list[RowSampling], device) -> torch.Tensor:
-    """One uniform per row: seeded rows draw from their own generator, the rest from the global RNG."""
-    u = torch.rand(len(rows), device=device)
-    for i, r in enumerate(rows):
-        if r.generator is not None:
-            u[i] = torch.rand(1, generator=r.generator, device=device)[0]
-    return u
-
+# ---- random sampling ----
 
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Index drawn from each row's (unnormalized, non-negative) probabilities with uniforms u."""
@@ -103,88 +155,130 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(c, t, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
-def _sample_truncated(x: torch.Tensor, rows: list[RowSampling], u: torch.Tensor,
-                      num_candidates: int | None = None) -> torch.Tensor:
-    """Rows with top-k and/or top-p: work on the top candidates only (a sort of the whole vocabulary
-    costs hundreds of ms at batch 64 on CPU). Exact: rows whose nucleus could reach past the
-    candidates retry with 16x more, and finally with the whole vocabulary."""
+def _sample_untruncated(x: torch.Tensor, min_p: torch.Tensor | None, u: torch.Tensor) -> torch.Tensor:
+    probs = (x - x.max(dim=1, keepdim=True).values).exp_()  # unnormalized; the top token has 1
+    if min_p is not None:
+        probs = probs.masked_fill(probs < min_p.unsqueeze(1), 0.0)
+    return _inverse_cdf(probs, u)
+
+
+def _sample_truncated(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor | None,
+                      u: torch.Tensor, width: int, all_have_k: bool, retry: bool) -> torch.Tensor:
+    """Rows with top-k and/or top-p, sampled in probability order among their `width` best tokens
+    (top_k 0: no top-k). With `retry`, rows whose nucleus could reach past those tokens are sampled
+    again 16x wider, until the whole vocabulary; without it the caller picks a width that suffices."""
     dev, vocab = x.device, x.shape[1]
-    ks = [r.params.top_k if 0 < r.params.top_k < vocab else 0 for r in rows]
-    k_cand = min(vocab, max(num_candidates or TOP_CANDIDATES, max(ks)))
-    vals, idx = x.topk(k_cand, dim=1)
-    has_k = torch.tensor([k > 0 for k in ks], device=dev)
-    kt = torch.tensor([k or k_cand for k in ks], device=dev)
-    vals = vals.masked_fill(torch.arange(k_cand, device=dev).unsqueeze(0) >= kt.unsqueeze(1), float("-inf"))
+    # A full-width sort where no retry can narrow it; the candidate path keeps topk (its tie order).
+    vals, idx = x.sort(dim=1, descending=True) if width == vocab and not retry else x.topk(width, dim=1)
+    has_k = top_k > 0
+    keep = torch.where(has_k, top_k, width).unsqueeze(1)
+    vals = vals.masked_fill(torch.arange(width, device=dev).unsqueeze(0) >= keep, float("-inf"))
     # Normalizer: over the kept top-k, or over the whole vocabulary for rows with top-p only.
     lse = vals.logsumexp(dim=1)
-    if not all(ks):
+    if not all_have_k:
         lse = torch.where(has_k, lse, x.logsumexp(dim=1))
     probs = (vals - lse.unsqueeze(1)).exp()
-    p = torch.tensor([r.params.top_p for r in rows], device=dev, dtype=x.dtype).unsqueeze(1)
-    spill = (~has_k) & (probs.sum(dim=1) <= p.squeeze(1))  # the next token past the candidates is kept too
+    p = top_p.unsqueeze(1)
+    spill = (~has_k) & (probs.sum(dim=1) <= top_p) if retry and not all_have_k and width < vocab else None
     probs = probs.masked_fill(probs.cumsum(dim=1) - probs > p, 0.0)
-    probs = _min_p(probs, rows, probs[:, :1])
+    if min_p is not None:
+        probs = probs.masked_fill(probs < min_p.unsqueeze(1) * probs[:, :1], 0.0)
     tokens = idx.gather(1, _inverse_cdf(probs, u).unsqueeze(1)).squeeze(1)
-    if k_cand < vocab and bool(spill.any()):
+    if spill is not None and bool(spill.any()):  # the next token past the candidates is kept too
         sp = spill.nonzero().squeeze(1)
-        tokens[sp] = _sample_truncated(x[sp], [rows[i] for i in sp.tolist()], u[sp], 16 * k_cand)
+        tokens[sp] = _sample_truncated(x[sp], top_k[sp], top_p[sp], _select(min_p, sp), u[sp],
+                                       min(vocab, 16 * width), all_have_k=False, retry=True)
     return tokens
 
 
-def _sample_random(logits: torch.Tensor, rows: list[RowSampling]) -> torch.Tensor:
-    dev, vocab = logits.device, logits.shape[1]
-    x = logits / torch.tensor([r.params.temperature for r in rows], device=dev).unsqueeze(1)
-    u = _uniforms(rows, dev)
-    trunc = [i for i, r in enumerate(rows) if 0 < r.params.top_k < vocab or r.params.top_p < 1.0]
-    if not trunc:
-        return _sample_random_full(x, rows, u)
-    if len(trunc) == len(rows):
-        return _sample_truncated(x, rows, u)
-    tokens = torch.empty(len(rows), dtype=torch.long, device=dev)
-    in_trunc = set(trunc)
-    full = [i for i in range(len(rows)) if i not in in_trunc]
-    for sel, fn in ((trunc, _sample_truncated), (full, _sample_random_full)):
-        ix = torch.tensor(sel, device=dev)
-        tokens[ix] = fn(x[ix], [rows[i] for i in sel], u[ix])
+def _truncation_width(md: SamplingMetadata) -> int:
+    if md.candidate_search:
+        return min(md.vocab_size, max(TOP_CANDIDATES, md.max_top_k))
+    return md.vocab_size if md.any_top_p_only else md.max_top_k
+
+
+def _sample_random(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Tokens for the random rows, in random_rows order."""
+    x = logits if not md.any_greedy else logits.index_select(0, md.random_rows)
+    x = x / md.temperature.unsqueeze(1)
+    u = _random_uniforms(md, logits.device)
+    min_p = md.min_p if md.any_min_p else None
+    num_trunc = md.truncated.shape[0]
+    if num_trunc == 0:
+        return _sample_untruncated(x, min_p, u)
+    width, all_have_k = _truncation_width(md), not md.any_top_p_only
+    if num_trunc == md.num_random:
+        return _sample_truncated(x, md.top_k, md.top_p, min_p, u, width, all_have_k, md.candidate_search)
+    tokens = torch.empty(md.num_random, dtype=torch.long, device=logits.device)
+    for sel, truncated in ((md.truncated, True), (md.untruncated, False)):
+        xs, us, mp = x.index_select(0, sel), u.index_select(0, sel), _select(min_p, sel)
+        if truncated:
+            part = _sample_truncated(xs, md.top_k.index_select(0, sel), md.top_p.index_select(0, sel), mp, us,
+                                     width, all_have_k, md.candidate_search)
+        else:
+            part = _sample_untruncated(xs, mp, us)
+        tokens.index_copy_(0, sel, part)
     return tokens
 
 
-def _sample_random_full(x: torch.Tensor, rows: list[RowSampling], u: torch.Tensor) -> torch.Tensor:
-    probs = (x - x.max(dim=1, keepdim=True).values).exp_()  # unnormalized; the top token has 1
-    return _inverse_cdf(_min_p(probs, rows, 1.0), u)
+def _select(t: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor | None:
+    return None if t is None else t.index_select(0, idx)
 
 
-def sample(logits: torch.Tensor, rows: list[RowSampling]) -> tuple[torch.Tensor, dict[int, TokenLogprobs]]:
-    """logits [len(rows), vocab] float32 (modified in place) -> (token ids [len(rows)], {row: logprobs})."""
-    _apply_min_tokens(logits, rows)
-    want_lp = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-    raw_logprobs = logits[want_lp].log_softmax(dim=1) if want_lp else None
-    if any(r.params.uses_penalties for r in rows):
-        _apply_penalties(logits, rows)
-    greedy = [r.params.is_greedy or r.params.top_k == 1 for r in rows]
-    tokens = logits.argmax(dim=1)
-    rand = [i for i, g in enumerate(greedy) if not g]
-    if rand:
-        idx = torch.tensor(rand, device=logits.device)
-        tokens[idx] = _sample_random(logits[idx] if len(rand) < len(rows) else logits, [rows[i] for i in rand])
-    lps: dict[int, TokenLogprobs] = {}
-    if want_lp:
-        lps = _logprobs(raw_logprobs, tokens[torch.tensor(want_lp, device=logits.device)],
-                        [rows[i].params.logprobs for i in want_lp], want_lp)
-    return tokens, lps
+# ---- the step ----
 
-
-def _logprobs(lp: torch.Tensor, sampled: torch.Tensor, ns: list[int], row_ids: list[int]) -> dict[int, TokenLogprobs]:
-    lp = lp.nan_to_num(nan=LOGPROB_FLOOR, neginf=LOGPROB_FLOOR).clamp_(min=LOGPROB_FLOOR)
-    chosen = lp.gather(1, sampled.unsqueeze(1))
-    ranks = (lp > chosen).sum(dim=1) + 1
-    top_v, top_i = lp.topk(max(ns), dim=1) if max(ns) > 0 else (lp[:, :0], sampled[:0].unsqueeze(0))
-    chosen, ranks, top_v, top_i = chosen.tolist(), ranks.tolist(), top_v.tolist(), top_i.tolist()
-    sampled_l = sampled.tolist()
-    out = {}
-    for j, row in enumerate(row_ids):
-        n = ns[j]
-        out[row] = TokenLogprobs(token_ids=[sampled_l[j]] + top_i[j][:n] if n else [sampled_l[j]],
-                                 logprobs=[chosen[j][0]] + top_v[j][:n] if n else [chosen[j][0]],
-                                 sampled_rank=ranks[j])
+def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+    """logits [num_rows, vocab] float32 (modified in place) -> sampled ids and logprob tensors, on
+    the device. Nothing is read back to the host unless md.candidate_search."""
+    if md.any_min_tokens:
+        _apply_min_tokens(logits, md)
+    raw_logprobs = None
+    if md.max_num_logprobs is not None:
+        raw_logprobs = logits.index_select(0, md.logprob_rows).log_softmax(dim=1)
+    if md.any_penalties:
+        _apply_penalties(logits, md)
+    if md.all_greedy:
+        tokens = logits.argmax(dim=1)
+    elif not md.any_greedy:
+        tokens = _sample_random(logits, md)
+    else:
+        tokens = logits.argmax(dim=1).index_copy_(0, md.random_rows, _sample_random(logits, md))
+    out = SamplerOutput(tokens)
+    if raw_logprobs is not None:
+        _fill_logprobs(out, raw_logprobs, md)
     return out
+
+
+def _fill_logprobs(out: SamplerOutput, raw: torch.Tensor, md: SamplingMetadata) -> None:
+    lp = raw.nan_to_num(nan=LOGPROB_FLOOR, neginf=LOGPROB_FLOOR).clamp_(min=LOGPROB_FLOOR)
+    chosen = lp.gather(1, out.sampled_token_ids.index_select(0, md.logprob_rows).unsqueeze(1))
+    out.sampled_logprobs = chosen.squeeze(1)
+    out.sampled_ranks = (lp > chosen).sum(dim=1) + 1
+    if md.max_num_logprobs > 0:
+        out.top_logprobs, out.top_token_ids = lp.topk(md.max_num_logprobs, dim=1)
+
+
+def logprobs_to_host(out: SamplerOutput, md: SamplingMetadata, sampled: list[int]) -> dict[int, TokenLogprobs]:
+    """{batch row: TokenLogprobs} from the logprob tensors; sampled: the step's ids, already on the host."""
+    if out.sampled_logprobs is None:
+        return {}
+    chosen, ranks = out.sampled_logprobs.tolist(), out.sampled_ranks.tolist()
+    top_v = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+    top_i = out.top_token_ids.tolist() if out.top_token_ids is not None else None
+    result = {}
+    for j, (row, n) in enumerate(zip(md.logprob_row_ids, md.num_logprobs, strict=True)):
+        ids, values = [sampled[row]], [chosen[j]]
+        if n:
+            ids += top_i[j][:n]
+            values += top_v[j][:n]
+        result[row] = TokenLogprobs(token_ids=ids, logprobs=values, sampled_rank=ranks[j])
+    return result
+
+
+def sample_rows(logits: torch.Tensor, rows: list[RowSampling]) -> tuple[torch.Tensor, dict[int, TokenLogprobs]]:
+    """The per-row entry point: metadata, sample, and the host conversion of the logprobs.
+    logits [len(rows), vocab] float32 (modified in place) -> (token ids [len(rows)], {row: logprobs})."""
+    md = SamplingMetadata.from_rows(rows, logits.shape[1], logits.device)
+    out = sample(logits, md)
+    lps = logprobs_to_host(out, md, out.sampled_token_ids.tolist()) if md.max_num_logprobs is not None else {}
+    return out.sampled_token_ids, lps
