@@ -81,3 +81,5 @@ class EngineConfig:
     device: str  # "cpu" | "cuda"
     num_threads: int | None = None  # torch threads in the worker; None: decided by the executor
     trace: bool = False
+    attention_backend: str = "sdpa"  # "sdpa" | "triton", resolved from the device
+    enforce_eager: bool = False  # no decode CUDA graphs

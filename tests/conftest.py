@@ -1,6 +1,14 @@
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # The Triton kernels run through Triton's interpreter without a GPU; it must be chosen before triton
+    # is first imported, and spawned workers inherit it.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests.tiny_models import build_tiny_model
 

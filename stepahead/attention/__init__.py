@@ -2,7 +2,8 @@
 
 The model runner lays a step's rows out (rows.BatchRow) and asks its backend for the step's metadata;
 each layer then calls paged_attention, which writes the new tokens' K/V at their slots and attends over
-the paged cache the way that metadata's backend does: SDPA over gathered blocks on CPU (sdpa.py).
+the paged cache the way that metadata's backend does: SDPA over gathered blocks on CPU (sdpa.py), or
+Triton kernels that read the block table directly on CUDA (triton_backend.py, triton_paged.py).
 """
 
 from __future__ import annotations

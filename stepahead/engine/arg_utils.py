@@ -25,6 +25,7 @@ CHOICES = {
     "executor": ("mp", "uni"),
     "load_format": ("auto", "safetensors", "gguf", "dummy"),
     "device": ("auto", "cpu", "cuda"),
+    "attention_backend": ("auto", "sdpa", "triton"),
 }
 
 
@@ -60,6 +61,10 @@ class EngineArgs:
     debug_invariants: bool = _arg(False, "check scheduler invariants after every step (slow)")
     defer_block_free: bool = _arg(False, "park freed KV blocks until every in-flight step is processed")
     trace: bool = _arg(False, "record a timeline trace of engine and worker events")
+    attention_backend: str = _arg(
+        "auto", "'triton': paged-attention kernels that read the block table (CUDA); 'sdpa': torch SDPA over "
+                "gathered blocks (CPU); 'auto': triton on CUDA, sdpa on CPU")
+    enforce_eager: bool = _arg(False, "never replay decode steps as CUDA graphs")
 
     def __post_init__(self) -> None:
         for name, allowed in CHOICES.items():
@@ -132,7 +137,22 @@ class EngineArgs:
             device=device,
             num_threads=self.num_threads,
             trace=self.trace,
+            attention_backend=resolve_attention_backend(self.attention_backend, device),
+            enforce_eager=self.enforce_eager,
         )
+
+
+def resolve_attention_backend(name: str, device: str) -> str:
+    """'auto' -> triton on CUDA, sdpa on CPU. Triton on CPU only runs under its interpreter
+    (TRITON_INTERPRET=1, set before triton is imported), which the tests use."""
+    if name == "auto":
+        return "triton" if device == "cuda" else "sdpa"
+    if name == "triton" and device == "cpu":
+        import os
+
+        check_field(os.environ.get("TRITON_INTERPRET") == "1", "attention_backend", name,
+                    "needs a CUDA device (on CPU only under TRITON_INTERPRET=1, Triton's slow interpreter)")
+    return name
 
 
 def _default_kv_budget(device: str) -> int:

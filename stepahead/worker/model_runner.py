@@ -20,11 +20,13 @@ import torch
 from stepahead.attention.paged_cache import PagedKVCache
 from stepahead.attention.rows import BatchRow
 from stepahead.attention.sdpa import SdpaBackend
+from stepahead.attention.triton_backend import TritonBackend
 from stepahead.config import EngineConfig
 from stepahead.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from stepahead.models.loader import TORCH_DTYPES, load_model
 from stepahead.tracing import TraceEvent
 from stepahead.utils import cdiv
+from stepahead.worker.cuda_graphs import DecodeBatch, DecodeGraphs
 from stepahead.worker.request_state import CachedRequestState
 from stepahead.worker.sampler import RowSampling, apply_bitmask, sample_rows
 from stepahead.worker.staging import StagingBuffer
@@ -40,6 +42,7 @@ class StepInputs:
     attn_metadata: object  # the attention backend's metadata for this step
     sample_rows: list[int]  # batch index of each row that samples (partial prefills excluded)
     logits_indices: torch.Tensor  # [num_sample_rows]: the token of each sampling row
+    max_query_len: int  # the most new tokens of any row (1: a decode-only step)
 
 
 @dataclass
@@ -92,13 +95,22 @@ class ModelRunner:
         self.vocab_size = model_config.vocab_size
         self.eos_token_id = model_config.eos_token_id
         max_blocks_per_seq = cdiv(sched_config.max_model_len, cache_config.block_size)
-        # Worst step: 3 per token (ids, positions, slots), block tables of every row, 4 per row.
-        capacity = (3 * sched_config.max_num_batched_tokens + 4 * sched_config.max_num_seqs
+        # Worst step: 3 per token (ids, positions, slots), block tables of every row, 6 per row.
+        capacity = (3 * sched_config.max_num_batched_tokens + 6 * sched_config.max_num_seqs + 1
                     + 2 * sched_config.max_num_seqs * max_blocks_per_seq)
         self.staging = StagingBuffer(capacity, self.device)
-        self.arange = torch.arange(max_blocks_per_seq * cache_config.block_size + sched_config.max_num_batched_tokens,
-                                   device=self.device)
-        self.attention_backend = SdpaBackend(self.block_size, self.arange)
+        if config.attention_backend == "triton":
+            self.attention_backend = TritonBackend(self.block_size)
+        else:
+            arange = torch.arange(max_blocks_per_seq * cache_config.block_size + sched_config.max_num_batched_tokens,
+                                  device=self.device)
+            self.attention_backend = SdpaBackend(self.block_size, arange)
+        # Decode-only steps replay a captured forward pass: CUDA with the Triton backend, unless eager.
+        self.decode_graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and config.attention_backend == "triton" and not config.enforce_eager:
+            self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, sched_config.max_num_seqs,
+                                              max_blocks_per_seq, self.device)
+            self.decode_graphs.capture()
         self.requests: dict[str, CachedRequestState] = {}
         # The last step's sampled tokens, on the device, and the row of each request in it.
         self.prev_sampled_token_ids: torch.Tensor | None = None
@@ -228,7 +240,18 @@ class ModelRunner:
         attn_metadata = self.attention_backend.finish(staged_attention, staging.view(layout.slots_offset, num_tokens),
                                                       staging)
         return StepInputs(order, input_ids, staging.view(layout.positions_offset, num_tokens), attn_metadata,
-                          layout.sample_rows, staging.view(logits_offset, len(host_logits_indices)))
+                          layout.sample_rows, staging.view(logits_offset, len(host_logits_indices)),
+                          max((row.num_new_tokens for row in layout.rows), default=0))
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Hidden states of every scheduled token: a graph replay for a decode-only step that fits one."""
+        graphs = self.decode_graphs
+        num_tokens = inputs.input_ids.shape[0]
+        if graphs is not None and inputs.max_query_len == 1:
+            size = graphs.padded_size(num_tokens)
+            if size is not None:
+                return graphs.run(DecodeBatch(inputs.input_ids, inputs.positions, inputs.attn_metadata), size)
+        return self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn_metadata)
 
     # ---- the two-phase step ----
 
@@ -240,8 +263,7 @@ class ModelRunner:
             return ModelRunnerOutput.empty()
         inputs = self._prepare_inputs(scheduler_output)
         t1 = time.monotonic()
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn_metadata)
-        hidden = hidden.index_select(0, inputs.logits_indices)
+        hidden = self._forward(inputs).index_select(0, inputs.logits_indices)
         t2 = time.monotonic()
         args = {"num_reqs": len(inputs.req_ids), "num_tokens": scheduler_output.total_num_scheduled_tokens}
         events = [TraceEvent("prepare_inputs", "worker", t0, t1, args), TraceEvent("forward", "worker", t1, t2, args)]

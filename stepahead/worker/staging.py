@@ -9,20 +9,36 @@ import torch
 class StagingBuffer:
     """One flat int64 host buffer filled region by region each step and sent to the device in one copy.
 
-    On CPU the device view *is* the host memory (no copy at all); on CUDA the host side is pinned and
-    copied with a single non-blocking transfer.
+    On CPU the device view *is* the host memory (no copy at all). On CUDA the host side is pinned and
+    copied with a single non-blocking transfer. The host does not wait for the GPU between steps, so
+    step N's copy may still be queued when step N+1 is laid out: two pinned host buffers take turns,
+    and a buffer is refilled only once the event recorded after its last copy has passed (normally
+    long before, so the wait costs nothing). The device buffer needs no second copy: copies and the
+    kernels that read them run in order on one stream.
     """
 
     def __init__(self, capacity: int, device: torch.device) -> None:
         self.device = device
         self.on_cpu = device.type == "cpu"
-        self.host = torch.zeros(capacity, dtype=torch.int64, pin_memory=not self.on_cpu and torch.cuda.is_available())
+        num_host = 1 if self.on_cpu else 2
+        pin = not self.on_cpu and torch.cuda.is_available()
+        self._hosts = [torch.zeros(capacity, dtype=torch.int64, pin_memory=pin) for _ in range(num_host)]
+        self._copied = [torch.cuda.Event() if not self.on_cpu else None for _ in range(num_host)]
+        self._turn = 0
+        self.host = self._hosts[0]
         self.np = self.host.numpy()
         self.dev = self.host if self.on_cpu else torch.zeros(capacity, dtype=torch.int64, device=device)
         self.used = 0
 
     def reset(self) -> None:
+        """Start a step's layout in the host buffer whose last copy has finished."""
         self.used = 0
+        if self.on_cpu:
+            return
+        self._turn = 1 - self._turn
+        self._copied[self._turn].synchronize()  # returns at once for an event never recorded
+        self.host = self._hosts[self._turn]
+        self.np = self.host.numpy()
 
     def alloc(self, n: int) -> tuple[np.ndarray, int]:
         """Reserve n slots; returns the host numpy view and its offset. The capacity is sized for the
@@ -36,6 +52,7 @@ class StagingBuffer:
     def upload(self) -> None:
         if not self.on_cpu:
             self.dev[: self.used].copy_(self.host[: self.used], non_blocking=True)
+            self._copied[self._turn].record()
 
     def view(self, off: int, n: int, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         t = self.dev[off:off + n]

@@ -70,6 +70,19 @@ class MiniSched:
         r.blocks, r.computed, r.resumed = [], 0, True
 
     def step(self, only: set[str] | None = None):
+        out = self.runner.execute_model(self.build(only))
+        if out is None:
+            out = self.runner.sample_tokens(None)
+        self.steps += 1
+        for rid, toks in zip(out.req_ids, out.sampled_token_ids, strict=True):
+            r = self.reqs[rid]
+            r.outputs.extend(toks)
+            if r.done:
+                self.finished.add(rid)
+        return out
+
+    def build(self, only: set[str] | None = None) -> SchedulerOutput:
+        """The next step's SchedulerOutput (the requests' state advances as if it ran)."""
         new_reqs, cd, nsched = [], CachedRequestData(), {}
         for r in self.reqs.values():
             if r.done or (only is not None and r.req_id not in only):
@@ -98,16 +111,7 @@ class MiniSched:
             r.computed += n
         so = SchedulerOutput(new_reqs, cd, nsched, sum(nsched.values()), self.finished)
         self.finished = set()
-        out = self.runner.execute_model(so)
-        if out is None:
-            out = self.runner.sample_tokens(None)
-        self.steps += 1
-        for rid, toks in zip(out.req_ids, out.sampled_token_ids, strict=True):
-            r = self.reqs[rid]
-            r.outputs.extend(toks)
-            if r.done:
-                self.finished.add(rid)
-        return out
+        return so
 
     def run(self, max_steps: int = 1000) -> dict[str, list[int]]:
         while not all(r.done for r in self.reqs.values()):

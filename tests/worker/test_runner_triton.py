@@ -1,0 +1,141 @@
+"""ModelRunner with the Triton attention backend (the CUDA path; here through Triton's interpreter):
+greedy tokens equal transformers float32 across families, block sizes, chunking, prefix-cache hits and
+preemption, and a decode step padded to a captured batch size equals the unpadded step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stepahead.worker.cuda_graphs import DecodeBatch, DecodeGraphs, capture_sizes
+from stepahead.worker.model_runner import ModelRunner
+from tests.tiny_models import build_tiny_model, hf_greedy
+from tests.worker.driver import MiniSched, make_config
+
+pytest.importorskip("triton")
+
+MAX_NEW = 6
+PROMPTS = [[5 + (7 * i + 3 * j) % 1900 for j in range(n)] for i, n in enumerate((5, 17, 33, 40))]
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    cache = {}
+
+    def get(arch):
+        if arch not in cache:
+            folder = build_tiny_model(tmp_path_factory.mktemp(f"triton-{arch}"), arch)
+            cache[arch] = (folder, hf_greedy(folder, PROMPTS, MAX_NEW))
+        return cache[arch]
+
+    return get
+
+
+def _runner(folder, block_size):
+    return ModelRunner(make_config(folder, block_size=block_size, num_blocks=1024, attention_backend="triton"))
+
+
+@pytest.mark.parametrize("arch,block_size", [("llama", 16), ("qwen3", 1), ("mistral", 32)])
+def test_greedy_matches_transformers(references, arch, block_size):
+    folder, ref = references(arch)
+    runner = _runner(folder, block_size)
+    assert runner.attention_backend.name == "triton"
+    sched = MiniSched(runner, block_size)
+    for i, p in enumerate(PROMPTS):
+        sched.add(f"r{i}", p, MAX_NEW)
+    out = sched.run()
+    assert [out[f"r{i}"] for i in range(len(ref))] == ref
+
+
+def test_chunked_prefill_prefix_hit_and_preemption(references):
+    folder, ref = references("llama")
+    sched = MiniSched(_runner(folder, 16), 16, chunk=7)
+    for i, p in enumerate(PROMPTS):
+        sched.add(f"r{i}", p, MAX_NEW)
+    for _ in range(4):
+        sched.step()
+    sched.preempt("r1")
+    out = sched.run()
+    assert [out[f"r{i}"] for i in range(4)] == ref
+    # The same prompt again, its first two blocks taken from r3 as a prefix-cache hit.
+    sched.add("again", PROMPTS[3], MAX_NEW, prefix_blocks=sched.reqs["r3"].blocks[:2])
+    assert sched.run()["again"] == ref[3]
+
+
+def test_capture_sizes():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(6) == [1, 2, 4, 6]
+    assert capture_sizes(40) == [1, 2, 4, 8, 16, 24, 32, 40]
+    sizes = capture_sizes(300)
+    assert sizes[:5] == [1, 2, 4, 8, 16] and 256 in sizes and 272 in sizes and sizes[-1] == 300
+
+
+def test_padded_decode_equals_unpadded(tiny_llama):
+    """The forward pass a captured graph replays, run eagerly: padding rows (context 0, slot -1) change
+    neither the real rows' hidden states nor the KV cache."""
+    runner = _runner(tiny_llama, 16)
+    sched = MiniSched(runner, 16)
+    for i, p in enumerate(PROMPTS[:3]):
+        sched.add(f"r{i}", p, 4)
+    sched.step()  # the prefills: every request now decodes
+    sched.step()
+    decode_step = sched.build()
+    runner._update_states(decode_step)
+    inputs = runner._prepare_inputs(decode_step)
+    assert inputs.max_query_len == 1
+    kv_before = [t.clone() for t in runner.kv_cache.k]
+    eager = runner.model(inputs.input_ids, inputs.positions, runner.kv_cache, inputs.attn_metadata)
+    kv_eager = [t.clone() for t in runner.kv_cache.k]
+    graphs = DecodeGraphs(runner.model, runner.kv_cache, max_num_seqs=8, max_blocks_per_seq=8,
+                          device=runner.device)
+    for size in (3, 4, 8):
+        for layer, saved in zip(runner.kv_cache.k, kv_before, strict=True):
+            layer.copy_(saved)
+        padded = graphs.run(DecodeBatch(inputs.input_ids, inputs.positions, inputs.attn_metadata), size)
+        # Same math; the matmuls see more rows, which may change their float summation order.
+        torch.testing.assert_close(padded, eager, rtol=1e-5, atol=1e-5)
+        for layer, expected in zip(runner.kv_cache.k, kv_eager, strict=True):
+            torch.testing.assert_close(layer, expected, rtol=1e-5, atol=1e-5)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@needs_cuda
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_cuda_greedy_matches_transformers(references, arch, enforce_eager):
+    folder, ref = references(arch)
+    runner = ModelRunner(make_config(folder, device="cuda", enforce_eager=enforce_eager))
+    assert (runner.decode_graphs is None) == enforce_eager
+    sched = MiniSched(runner, 16)
+    for i, p in enumerate(PROMPTS):
+        sched.add(f"r{i}", p, MAX_NEW)
+    out = sched.run()
+    assert [out[f"r{i}"] for i in range(len(ref))] == ref
+
+
+@needs_cuda
+def test_cuda_graph_replay_equals_eager_for_every_size(tiny_llama):
+    """Batches of every captured size and sizes between them (padded up) give the eager tokens."""
+    def run(enforce_eager: bool, n: int) -> dict[str, list[int]]:
+        runner = ModelRunner(make_config(tiny_llama, device="cuda", enforce_eager=enforce_eager))
+        sched = MiniSched(runner, 16)
+        for i in range(n):
+            sched.add(f"r{i}", PROMPTS[i % len(PROMPTS)][: 3 + i], 5)
+        return sched.run()
+
+    for n in (1, 2, 3, 4, 7, 8, 13, 16, 33, 64):
+        assert run(False, n) == run(True, n), n
+
+
+def test_backend_resolution(monkeypatch):
+    from stepahead.engine.arg_utils import resolve_attention_backend
+    from stepahead.validation import InvalidInputError
+
+    assert resolve_attention_backend("auto", "cuda") == "triton"
+    assert resolve_attention_backend("auto", "cpu") == "sdpa"
+    assert resolve_attention_backend("sdpa", "cuda") == "sdpa"
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(InvalidInputError, match="needs a CUDA device"):
+        resolve_attention_backend("triton", "cpu")
