@@ -83,3 +83,6 @@ class EngineConfig:
     trace: bool = False
     attention_backend: str = "sdpa"  # "sdpa" | "triton", resolved from the device
     enforce_eager: bool = False  # no decode CUDA graphs
+    # The worker returns a step's output before its sampled ids reach the host (on CUDA; see
+    # worker/async_output.py); the executor resolves it off the worker's call path.
+    async_output: bool = False

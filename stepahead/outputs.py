@@ -42,7 +42,8 @@ class RequestOutput:
 class EngineStats:
     forward_steps: int = 0  # non-empty steps executed by the worker
     wasted_request_steps: int = 0  # request-slots computed for requests that had already finished
-    busy_s: float = 0.0  # time the worker spent executing steps
+    busy_s: float = 0.0  # host time the worker spent in its step calls (Python, launches, CPU compute)
+    gpu_busy_s: float = 0.0  # device time of the steps (CUDA events; on CPU the same as busy_s)
     wall_s: float = 0.0  # time the engine had work
     preemptions: int = 0
     prefix_cache_queries: int = 0  # tokens looked up
@@ -58,4 +59,10 @@ class EngineStats:
 
     @property
     def utilization(self) -> float:
+        """Host-side: the worker's busy time / wall time while the engine had work."""
         return self.busy_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def gpu_utilization(self) -> float:
+        """Device-side: the steps' device time / wall time while the engine had work."""
+        return self.gpu_busy_s / self.wall_s if self.wall_s > 0 else 0.0

@@ -2,7 +2,8 @@
 
 N sequences of random token ids, input and output lengths uniform in [min, max] from a seed,
 ignore_eos, all submitted at once to LLM.generate. Prints output and total tok/s plus the engine's
-own accounting (utilization = worker busy / engine wall time, wasted request-steps, preemptions).
+own accounting (host and GPU utilization = worker host time or device time / engine wall time, wasted
+request-steps, preemptions).
 
 --compare sync     runs the step-ahead (async) and the synchronous scheduler alternately, each in
                    its own engine kept alive across rounds, and prints the per-round and median ratio.
@@ -42,7 +43,8 @@ class RunResult(TokenRates):
     output_tokens: int
     forward_steps: int
     wasted_request_steps: int
-    busy_s: float
+    busy_s: float  # the worker's host time in step calls
+    gpu_busy_s: float  # the steps' device time (CUDA events; on CPU the host time)
     wall_s: float
     preemptions: int
     stop_finishes: int  # requests finished by EOS or a stop token
@@ -50,17 +52,22 @@ class RunResult(TokenRates):
     events: list[TraceEvent] = field(default_factory=list, repr=False)  # the run's trace, when recorded
 
     @property
-    def utilization(self) -> float:
+    def host_utilization(self) -> float:
         return self.busy_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def gpu_utilization(self) -> float:
+        return self.gpu_busy_s / self.wall_s if self.wall_s > 0 else 0.0
 
     def to_dict(self) -> dict:
         figures = {name: value for name, value in dataclasses.asdict(self).items() if name != "events"}
-        figures.update(output_tok_s=self.output_tok_s, total_tok_s=self.total_tok_s, utilization=self.utilization,
+        figures.update(output_tok_s=self.output_tok_s, total_tok_s=self.total_tok_s,
+                       host_utilization=self.host_utilization, gpu_utilization=self.gpu_utilization,
                        requests_per_s=self.num_requests / self.elapsed_s)
         return figures
 
     def plot_label(self) -> str:
-        return f"{self.label} ({self.output_tok_s:.0f} tok/s, utilization {self.utilization:.0%})"
+        return f"{self.label} ({self.output_tok_s:.0f} tok/s, GPU utilization {self.gpu_utilization:.0%})"
 
     def line(self) -> str:
         waste = f"wasted request-steps {self.wasted_request_steps}"
@@ -68,7 +75,8 @@ class RunResult(TokenRates):
             waste += f" ({self.wasted_request_steps / self.stop_finishes:.2f} per EOS finish)"
         return (f"[{self.label}] {self.num_requests} requests, {self.prompt_tokens} prompt + {self.output_tokens} "
                 f"output tokens in {self.elapsed_s:.2f} s: output {self.output_tok_s:.1f} tok/s, total "
-                f"{self.total_tok_s:.1f} tok/s | utilization {self.utilization:.1%}, forward steps "
+                f"{self.total_tok_s:.1f} tok/s | host utilization {self.host_utilization:.1%}, GPU utilization "
+                f"{self.gpu_utilization:.1%}, forward steps "
                 f"{self.forward_steps}, {waste}, preemptions {self.preemptions}")
 
 
@@ -147,7 +155,7 @@ def run_once(llm, label: str, requests: list[SampleRequest], params, use_tqdm: b
         output_tokens=sum(len(completion.token_ids) for output in outputs for completion in output.outputs),
         forward_steps=after.forward_steps - before.forward_steps,
         wasted_request_steps=after.wasted_request_steps - before.wasted_request_steps,
-        busy_s=after.busy_s - before.busy_s, wall_s=after.wall_s - before.wall_s,
+        busy_s=after.busy_s - before.busy_s, gpu_busy_s=after.gpu_busy_s - before.gpu_busy_s, wall_s=after.wall_s - before.wall_s,
         preemptions=after.preemptions - before.preemptions, stop_finishes=stops,
         round=round_index, events=drain_events(llm),
     )
@@ -204,7 +212,8 @@ def run_compare_sync(ns, engine_args: EngineArgs, tracing: bool) -> dict:
         mode: {
             "output_tok_s_median": statistics.median(run.output_tok_s for run in runs if run.label == mode),
             "total_tok_s_median": statistics.median(run.total_tok_s for run in runs if run.label == mode),
-            "utilization_median": statistics.median(run.utilization for run in runs if run.label == mode),
+            "host_utilization_median": statistics.median(run.host_utilization for run in runs if run.label == mode),
+            "gpu_utilization_median": statistics.median(run.gpu_utilization for run in runs if run.label == mode),
             "wasted_request_steps": [run.wasted_request_steps for run in runs if run.label == mode],
             "preemptions": [run.preemptions for run in runs if run.label == mode],
         }
@@ -214,9 +223,9 @@ def run_compare_sync(ns, engine_args: EngineArgs, tracing: bool) -> dict:
     summary["rounds_run"] = len(ratios)
     summary["ratio_median"] = statistics.median(ratios)
     print(f"median over {len(ratios)} rounds: sync {summary['sync']['output_tok_s_median']:.1f} tok/s "
-          f"(utilization {summary['sync']['utilization_median']:.1%}), async "
-          f"{summary['async']['output_tok_s_median']:.1f} tok/s (utilization "
-          f"{summary['async']['utilization_median']:.1%}); async / sync = {summary['ratio_median']:.3f}")
+          f"(GPU utilization {summary['sync']['gpu_utilization_median']:.1%}), async "
+          f"{summary['async']['output_tok_s_median']:.1f} tok/s (GPU utilization "
+          f"{summary['async']['gpu_utilization_median']:.1%}); async / sync = {summary['ratio_median']:.3f}")
     return {"runs": runs, "summary": summary}
 
 

@@ -83,8 +83,10 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     # Per request id with logprobs requested: one entry per sampled token.
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
-    # Worker-side accounting for EngineStats and traces.
+    # Worker-side accounting for EngineStats and traces: host time in the step's calls, and the time
+    # the device spent on the step (CUDA events; the same as busy_s on CPU, where the host computes).
     busy_s: float = 0.0
+    gpu_busy_s: float = 0.0
     trace_events: list[TraceEvent] = field(default_factory=list)
 
     @staticmethod

@@ -65,6 +65,9 @@ class EngineArgs:
         "auto", "'triton': paged-attention kernels that read the block table (CUDA); 'sdpa': torch SDPA over "
                 "gathered blocks (CPU); 'auto': triton on CUDA, sdpa on CPU")
     enforce_eager: bool = _arg(False, "never replay decode steps as CUDA graphs")
+    async_output: bool | None = _arg(
+        None, "the worker hands a step's output on before its sampled ids reach the host, resolving it off "
+              "its call path (default: on with CUDA)")
 
     def __post_init__(self) -> None:
         for name, allowed in CHOICES.items():
@@ -139,6 +142,7 @@ class EngineArgs:
             trace=self.trace,
             attention_backend=resolve_attention_backend(self.attention_backend, device),
             enforce_eager=self.enforce_eager,
+            async_output=device == "cuda" if self.async_output is None else self.async_output,
         )
 
 

@@ -63,6 +63,7 @@ class EngineCore:
         # Statistics.
         self._forward_steps = 0
         self._busy_s = 0.0
+        self._gpu_busy_s = 0.0
         self._wall_s = 0.0
         self._work_since: float | None = None
         self._prompt_tokens = 0
@@ -215,6 +216,7 @@ class EngineCore:
         if scheduler_output.total_num_scheduled_tokens > 0:
             self._forward_steps += 1
         self._busy_s += model_output.busy_s
+        self._gpu_busy_s += model_output.gpu_busy_s
         if self._trace:
             self._trace_events.extend(model_output.trace_events)
             self._trace_events.append(TraceEvent(
@@ -262,6 +264,7 @@ class EngineCore:
             forward_steps=self._forward_steps,
             wasted_request_steps=sched.num_wasted_request_steps,
             busy_s=self._busy_s,
+            gpu_busy_s=self._gpu_busy_s,
             wall_s=wall,
             preemptions=sched.num_preemptions,
             prefix_cache_queries=kv.prefix_cache_queries,

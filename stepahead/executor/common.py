@@ -56,7 +56,7 @@ class StepTimer:
     def record(self, started: float, output: ModelRunnerOutput | None) -> ModelRunnerOutput | None:
         self._pending_s += time.perf_counter() - started
         if output is not None:
-            if not output.busy_s:
+            if isinstance(output, ModelRunnerOutput) and not output.busy_s:  # an async output has its own
                 output.busy_s = self._pending_s
             self._pending_s = 0.0
         return output

@@ -16,6 +16,7 @@ from stepahead.config import EngineConfig
 from stepahead.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from stepahead.executor.abstract import Executor, WorkerError
 from stepahead.executor.common import default_worker_threads, load_runner
+from stepahead.executor.output_resolver import OutputResolver
 from stepahead.executor.pending import PendingCalls
 
 _STOP = object()
@@ -68,16 +69,28 @@ class UniProcExecutor(Executor):
             ready.set_exception(e)
             return
         ready.set_result(None)
+        resolver = None
+        if self.config.async_output:  # outputs resolve in a thread of their own, in call order
+            resolver = OutputResolver(lambda output: self._pending.resolve_oldest([output]),
+                                      lambda e: self._fail("resolving a step's output", e))
         while True:
             item = self._calls.get()
             if item is _STOP:
+                if resolver is not None:
+                    resolver.close()
                 return
             method, arg = item
             try:
                 output = run_call(method, arg)
             except BaseException as e:  # noqa: BLE001 - every pending future learns of the failure
-                err = WorkerError(f"stepahead worker raised in {method}: {e!r}")
-                err.__cause__ = e
-                self._pending.fail(err)
+                self._fail(method, e)
                 return
-            self._pending.resolve_oldest([output])  # calls run in submission order
+            if resolver is not None:
+                resolver.put(output)
+            else:
+                self._pending.resolve_oldest([output])  # calls run in submission order
+
+    def _fail(self, where: str, e: BaseException) -> None:
+        err = WorkerError(f"stepahead worker raised in {where}: {e!r}")
+        err.__cause__ = e
+        self._pending.fail(err)

@@ -11,16 +11,21 @@ one. So an output nobody waits for yet (execute_model's None, when the step's sa
 already queued) is held back and sent with the step's result: one message per step (docs/BENCHMARKS.md
 section 7: under load, the worker's gap between a step's two calls went from 0.3-0.4 to 0.15 ms). Held outputs
 are always sent before the worker blocks for the next call, so the engine never waits on one forever.
+
+With async outputs (CUDA) every result goes through an OutputResolver instead: its thread waits for a
+step's sampled ids to reach the host and sends the result, while this thread already runs the next call.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import traceback
 from multiprocessing.connection import Connection
 
 from stepahead.config import EngineConfig
 from stepahead.executor.common import load_runner
+from stepahead.executor.output_resolver import OutputResolver
 
 EXIT_ON_ERROR = 3
 
@@ -35,6 +40,14 @@ def worker_main(config: EngineConfig, num_threads: int, calls: Connection, resul
         results.send(("error", f"loading the model failed:\n{traceback.format_exc()}"))
         raise SystemExit(EXIT_ON_ERROR) from None
     results.send(("ready", None))
+    resolver = None
+    if config.async_output:
+        def resolve_failed(e: BaseException) -> None:
+            results.send(("error", "resolving a step's output raised:\n"
+                                   + "".join(traceback.format_exception(e))))
+            os._exit(EXIT_ON_ERROR)  # the main thread may be blocked reading calls
+
+        resolver = OutputResolver(lambda output: results.send(("ok", [output])), resolve_failed)
     held: list = []  # outputs not sent yet, in call order
     while True:
         if held and not calls.poll():  # about to block: the engine may be waiting on these
@@ -43,14 +56,21 @@ def worker_main(config: EngineConfig, num_threads: int, calls: Connection, resul
         try:
             method, arg = calls.recv()
         except (EOFError, OSError):
-            return  # the engine process closed the pipe or died
+            method = "shutdown"  # the engine process closed the pipe or died
         if method == "shutdown":
+            if resolver is not None:
+                resolver.close()
             return
         try:
             output = run_call(method, arg)
         except BaseException:  # noqa: BLE001 - the state is unknown after a failure: report and exit
+            if resolver is not None:
+                resolver.close()  # its thread stops sending before this one does
             results.send(("error", f"{method} raised:\n{traceback.format_exc()}"))
             raise SystemExit(EXIT_ON_ERROR) from None
+        if resolver is not None:
+            resolver.put(output)
+            continue
         held.append(output)
         if output is not None:  # a step's result: the engine needs it to schedule the step after next
             results.send(("ok", held))

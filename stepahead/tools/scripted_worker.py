@@ -193,7 +193,7 @@ class ScriptedExecutor(Executor):
             time.sleep(self.step_delay_s)
         out = self.worker.sample_tokens(grammar_output)
         end = time.monotonic()
-        out.busy_s = end - start
+        out.busy_s = out.gpu_busy_s = end - start  # the scripted worker stands for host and device alike
         out.trace_events = [TraceEvent("sample_tokens", "worker", start, end, {"num_reqs": len(out.req_ids)})]
         if self.on_step is not None:
             self.on_step(self.worker)

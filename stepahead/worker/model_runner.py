@@ -26,9 +26,11 @@ from stepahead.core.sched_output import GrammarOutput, ModelRunnerOutput, Schedu
 from stepahead.models.loader import TORCH_DTYPES, load_model
 from stepahead.tracing import TraceEvent
 from stepahead.utils import cdiv
+from stepahead.worker.async_output import AsyncModelRunnerOutput, copy_to_host
 from stepahead.worker.cuda_graphs import DecodeBatch, DecodeGraphs
 from stepahead.worker.request_state import CachedRequestState
-from stepahead.worker.sampler import RowSampling, apply_bitmask, sample_rows
+from stepahead.worker.sampler import SamplerOutput, apply_bitmask, logprobs_to_host, sample
+from stepahead.worker.sampling_metadata import RowSampling, SamplingMetadata
 from stepahead.worker.staging import StagingBuffer
 
 
@@ -70,6 +72,7 @@ class _StepState:
     num_tokens: int
     t_start: float
     events: list[TraceEvent]
+    gpu_start: torch.cuda.Event | None  # recorded before the step's first device work (CUDA)
 
 
 class ModelRunner:
@@ -116,6 +119,9 @@ class ModelRunner:
         self.prev_sampled_token_ids: torch.Tensor | None = None
         self.prev_req_id_to_row: dict[str, int] = {}
         self._step: _StepState | None = None
+        # Async outputs: sample_tokens returns before the sampled ids reach the host (see async_output.py).
+        self.async_output = config.async_output
+        self._unresolved: list[AsyncModelRunnerOutput] = []
 
     # ---- state updates from the scheduler's diffs ----
 
@@ -258,9 +264,14 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         t0 = time.monotonic()
+        self._resolve_outputs(keep_latest=True)
         self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput.empty()
+        gpu_start = None
+        if self.device.type == "cuda":
+            gpu_start = torch.cuda.Event(enable_timing=True)
+            gpu_start.record()
         inputs = self._prepare_inputs(scheduler_output)
         t1 = time.monotonic()
         hidden = self._forward(inputs).index_select(0, inputs.logits_indices)
@@ -268,8 +279,17 @@ class ModelRunner:
         args = {"num_reqs": len(inputs.req_ids), "num_tokens": scheduler_output.total_num_scheduled_tokens}
         events = [TraceEvent("prepare_inputs", "worker", t0, t1, args), TraceEvent("forward", "worker", t1, t2, args)]
         self._step = _StepState(inputs.req_ids, inputs.sample_rows, hidden,
-                                scheduler_output.total_num_scheduled_tokens, t0, events)
+                                scheduler_output.total_num_scheduled_tokens, t0, events, gpu_start)
         return None
+
+    def _resolve_outputs(self, keep_latest: bool = False) -> None:
+        """Wait for earlier steps' async outputs, so every -1 in the token lists is filled. With
+        keep_latest the last step's stays pending: a row that continues from it reads that token from
+        prev_sampled_token_ids on the device, and any older one has long left the GPU."""
+        pending = self._unresolved[:-1] if keep_latest else self._unresolved
+        for handle in pending:
+            handle.get_output()
+        self._unresolved = [h for h in self._unresolved if not h.resolved]
 
     def _row_sampling(self, state: CachedRequestState) -> RowSampling:
         params = state.sampling_params
@@ -293,32 +313,76 @@ class ModelRunner:
             apply_bitmask(logits, [i for i, _ in pairs], bitmask)
 
     @torch.inference_mode()
-    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         step, self._step = self._step, None
         if step is None:
             raise RuntimeError("sample_tokens called without a preceding execute_model that ran a forward")
         t0 = time.monotonic()
         logits = self.model.compute_logits(step.hidden).float()
-        rows = [self._row_sampling(self.requests[step.req_ids[b]]) for b in step.sample_rows]
+        states = [self.requests[step.req_ids[b]] for b in step.sample_rows]
+        if any(state.sampling_params.uses_penalties for state in states):
+            self._resolve_outputs()  # penalties read every earlier output id
+        rows = [self._row_sampling(state) for state in states]
         if grammar_output is not None and grammar_output.grammar_bitmask is not None:
             self._apply_grammar_bitmask(logits, step, grammar_output)
-        if rows:
-            tokens, row_logprobs = sample_rows(logits, rows)
+        metadata = SamplingMetadata.from_rows(rows, logits.shape[1], logits.device) if rows else None
+        if metadata is not None:
+            sampled = sample(logits, metadata)
         else:
-            tokens, row_logprobs = torch.empty(0, dtype=torch.long, device=self.device), {}
-        self.prev_sampled_token_ids = tokens
+            sampled = SamplerOutput(torch.empty(0, dtype=torch.long, device=self.device))
+        self.prev_sampled_token_ids = sampled.sampled_token_ids
         self.prev_req_id_to_row = {step.req_ids[b]: i for i, b in enumerate(step.sample_rows)}
-        sampled = tokens.tolist()
+
+        def finish(ids: list[int], host: SamplerOutput) -> ModelRunnerOutput:
+            return self._build_output(step, metadata, ids, host, t0, t1)
+
+        if not self.async_output:
+            ids = sampled.sampled_token_ids.tolist()
+            for state, token in zip(states, ids, strict=True):
+                state.token_ids.append(token)
+            t1 = time.monotonic()
+            out = finish(ids, sampled)
+            if step.gpu_start is not None:
+                out.gpu_busy_s = self._gpu_busy_s(step.gpu_start)
+            return out
+        host = copy_to_host(sampled)
+        ready = gpu_timing = None
+        if self.device.type == "cuda":
+            ready = torch.cuda.Event(enable_timing=True)
+            ready.record()
+            gpu_timing = (step.gpu_start, ready)
+        placeholders = []
+        for state in states:
+            placeholders.append((state.token_ids, len(state.token_ids)))
+            state.token_ids.append(-1)
+        t1 = time.monotonic()
+        handle = AsyncModelRunnerOutput(host, ready, placeholders, finish, gpu_timing)
+        self._unresolved.append(handle)
+        return handle
+
+    @staticmethod
+    def _gpu_busy_s(gpu_start: torch.cuda.Event) -> float:
+        """Device time of a step whose ids were read synchronously, from CUDA events."""
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        end.synchronize()
+        return gpu_start.elapsed_time(end) / 1000.0
+
+    def _build_output(self, step: _StepState, metadata: SamplingMetadata | None, ids: list[int], host: SamplerOutput,
+                      t0: float, t1: float) -> ModelRunnerOutput:
+        """The step's ModelRunnerOutput from its sampled ids and logprob tensors, both on the host."""
+        row_logprobs = {}
+        if metadata is not None and metadata.max_num_logprobs is not None:
+            row_logprobs = logprobs_to_host(host, metadata, ids)
         sampled_token_ids: list[list[int]] = [[] for _ in step.req_ids]
         logprobs = {}
         for i, b in enumerate(step.sample_rows):
-            req_id = step.req_ids[b]
-            self.requests[req_id].token_ids.append(sampled[i])
-            sampled_token_ids[b] = [sampled[i]]
+            sampled_token_ids[b] = [ids[i]]
             if i in row_logprobs:
-                logprobs[req_id] = [row_logprobs[i]]
-        t1 = time.monotonic()
-        out = ModelRunnerOutput(step.req_ids, sampled_token_ids, logprobs, busy_s=t1 - step.t_start)
+                logprobs[step.req_ids[b]] = [row_logprobs[i]]
+        # On CPU the host does the device's work: its time is the device time too (CUDA overrides it).
+        busy_s = t1 - step.t_start
+        out = ModelRunnerOutput(step.req_ids, sampled_token_ids, logprobs, busy_s=busy_s, gpu_busy_s=busy_s)
         if self.config.trace:
             args = {"num_reqs": len(step.req_ids), "num_tokens": step.num_tokens}
             out.trace_events = step.events + [TraceEvent("sample", "worker", t0, t1, args)]

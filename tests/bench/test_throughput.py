@@ -37,7 +37,7 @@ def test_compare_sync_writes_json_trace_and_plot(tiny_llama, tmp_path, capsys):
         # ignore_eos: every request produces exactly its budget, in both modes.
         assert r["output_tokens"] == want and r["num_requests"] == 6
         assert r["output_tok_s"] > 0 and r["total_tok_s"] > r["output_tok_s"]
-        assert 0 < r["utilization"] <= 1.0 and r["forward_steps"] > 0
+        assert 0 < r["host_utilization"] <= 1.0 and 0 < r["gpu_utilization"] <= 1.0 and r["forward_steps"] > 0
         assert r["wasted_request_steps"] == 0 and r["stop_finishes"] == 0
     assert {r["prompt_tokens"] for r in runs} == {runs[0]["prompt_tokens"]}
     s = data["summary"]

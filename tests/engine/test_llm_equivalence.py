@@ -26,6 +26,9 @@ def _prompts() -> list[list[int]]:
 
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
 SEEDED = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=100 + i) for i in range(len(_prompts()))]
+# Penalties read every earlier output id: with async outputs the worker must wait for the last step's.
+PENALIZED = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, presence_penalty=0.7, frequency_penalty=0.4,
+                           repetition_penalty=1.3, logprobs=2)
 
 CONFIGS = {
     "sync": dict(async_scheduling=False),
@@ -36,6 +39,12 @@ CONFIGS = {
     "chunked_sync": dict(max_num_batched_tokens=8, async_scheduling=False),
     "no_prefix_cache": dict(enable_prefix_caching=False),
     "mp": dict(executor="mp"),
+    # The CUDA configuration's mechanisms on CPU: outputs resolved off the worker's call path, and the
+    # Triton attention kernels (through Triton's interpreter).
+    "async_output": dict(async_output=True),
+    "async_output_mp": dict(async_output=True, executor="mp"),
+    "async_output_preempt": dict(async_output=True, num_kv_blocks=10),
+    "triton": dict(attention_backend="triton", async_output=True),
 }
 
 
@@ -45,7 +54,9 @@ def _run(model, **overrides):
         prompts = [{"prompt_token_ids": p} for p in _prompts()]
         greedy = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
         seeded = [o.outputs[0].token_ids for o in llm.generate(prompts, SEEDED, use_tqdm=False)]
-        return greedy, seeded, llm.stats(), llm.config
+        penalized = [(o.outputs[0].token_ids, [{i: v.logprob for i, v in lp.items()} for lp in o.outputs[0].logprobs])
+                     for o in llm.generate(prompts, PENALIZED, use_tqdm=False)]
+        return greedy, (seeded, penalized), llm.stats(), llm.config
 
 
 @pytest.fixture(scope="module")
@@ -59,20 +70,31 @@ def test_baseline_is_async_and_matches_transformers(tiny_llama, baseline):
     assert greedy == hf_greedy(tiny_llama, _prompts(), MAX_TOKENS)
     assert stats.prefix_cache_hits > 0  # the repeat, the shared prefix, and the second pass
     assert stats.preemptions == 0
+    seeded, penalized = seeded
     assert all(len(s) == MAX_TOKENS for s in seeded)
     assert seeded != greedy
+    assert [tokens for tokens, _ in penalized] != greedy
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_same_tokens_across_configs(tiny_llama, baseline, name):
     greedy, seeded, stats, config = _run(tiny_llama, **CONFIGS[name])
     assert greedy == baseline[0]
-    assert seeded == baseline[1]
+    (seeded, penalized), (base_seeded, base_penalized) = seeded, baseline[1]
+    assert seeded == base_seeded
+    assert [tokens for tokens, _ in penalized] == [tokens for tokens, _ in base_penalized]
+    for (_, logprobs), (_, base_logprobs) in zip(penalized, base_penalized, strict=True):
+        assert [lp.keys() for lp in logprobs] == [lp.keys() for lp in base_logprobs]
+        assert logprobs == [pytest.approx(lp, abs=1e-4) for lp in base_logprobs]
     if name.startswith("preempt"):
         assert stats.preemptions > 0
     if name.endswith("sync"):
         assert not config.async_scheduling and config.max_concurrent_batches == 1
     if name == "no_prefix_cache":
         assert stats.prefix_cache_hits == 0
+    if name.startswith("async_output") or name == "triton":
+        assert config.async_output
+    if name == "triton":
+        assert config.attention_backend == "triton"
     if name.startswith("chunked"):
         assert config.scheduler_config.max_num_batched_tokens == 8

@@ -59,8 +59,10 @@ class EngineStatsCollector(Collector):
         yield self._gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", stats.kv_cache_usage)
         yield self._gauge("kv_cache_free_blocks", "KV-cache blocks in the free pool.", stats.num_free_blocks)
         yield self._gauge("kv_cache_total_blocks", "Usable KV-cache blocks.", stats.num_total_blocks)
-        yield self._gauge("worker_utilization", "Worker busy time / wall time while the engine had work.",
+        yield self._gauge("host_utilization", "Worker host time in step calls / wall time while the engine had work.",
                           stats.utilization)
+        yield self._gauge("gpu_utilization", "Device time of the steps (CUDA events; on CPU the host time) / wall "
+                          "time while the engine had work.", stats.gpu_utilization)
         yield self._counter("prefix_cache_queries", "Prefix-cache lookups, in tokens.", stats.prefix_cache_queries)
         yield self._counter("prefix_cache_hits", "Prefix-cache hits, in tokens.", stats.prefix_cache_hits)
         yield self._counter("num_preemptions", "Cumulative preemptions.", stats.preemptions)
@@ -69,7 +71,8 @@ class EngineStatsCollector(Collector):
         yield self._counter("forward_steps", "Non-empty steps executed by the worker.", stats.forward_steps)
         yield self._counter("wasted_request_steps",
                             "Request slots computed for requests that had already finished.", stats.wasted_request_steps)
-        yield self._counter("worker_busy_seconds", "Time the worker spent executing steps.", stats.busy_s)
+        yield self._counter("host_busy_seconds", "Worker host time in step calls.", stats.busy_s)
+        yield self._counter("gpu_busy_seconds", "Device time of the steps (on CPU the host time).", stats.gpu_busy_s)
         yield self._counter("engine_busy_wall_seconds", "Wall time during which the engine had work.", stats.wall_s)
 
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -136,7 +139,8 @@ async def log_stats_periodically(get_stats: Callable[[], EngineStats], interval_
             hits = current.prefix_cache_hits - previous.prefix_cache_hits
             logger.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
                         "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%, "
-                        "Worker utilization: %.1f%%", prompt_tokens / elapsed_s, generated_tokens / elapsed_s,
+                        "Host utilization: %.1f%%, GPU utilization: %.1f%%", prompt_tokens / elapsed_s, generated_tokens / elapsed_s,
                         current.num_running, current.num_waiting, 100 * current.kv_cache_usage,
-                        100 * hits / queries if queries else 0.0, 100 * current.utilization)
+                        100 * hits / queries if queries else 0.0, 100 * current.utilization,
+                        100 * current.gpu_utilization)
         previous, previous_time = current, now

@@ -12,7 +12,7 @@ REQUIRED_METRICS = [
     "stepahead:num_requests_running", "stepahead:num_requests_waiting", "stepahead:kv_cache_usage_perc",
     "stepahead:prefix_cache_queries_total", "stepahead:prefix_cache_hits_total", "stepahead:num_preemptions_total",
     "stepahead:prompt_tokens_total", "stepahead:generation_tokens_total", "stepahead:request_success_total",
-    "stepahead:wasted_request_steps_total", "stepahead:worker_utilization",
+    "stepahead:wasted_request_steps_total", "stepahead:host_utilization", "stepahead:gpu_utilization",
     "stepahead:time_to_first_token_seconds_count", "stepahead:inter_token_latency_seconds_count",
     "stepahead:e2e_request_latency_seconds_count",
 ]
@@ -74,7 +74,8 @@ def test_metrics_move_when_requests_run(http, client):
     assert delta("stepahead:request_generation_tokens_sum") == 7
     assert delta("stepahead:prefix_cache_queries_total") >= 0
     assert delta("stepahead:forward_steps_total") >= 7
-    assert 0 < metric(after, "stepahead:worker_utilization") <= 1
+    assert 0 < metric(after, "stepahead:host_utilization") <= 1
+    assert 0 < metric(after, "stepahead:gpu_utilization") <= 1  # on CPU the host time again
 
 
 @pytest.mark.parametrize("path", ["/health", "/metrics", "/version", "/v1/models"])
