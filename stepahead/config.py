@@ -64,6 +64,9 @@ class CacheConfig:
     # Park freed blocks until every in-flight step that may write them has been processed
     # (docs/design.md, "Deferred frees and step fences").
     defer_block_free: bool = False
+    # Set on CUDA when no pool size was given: the worker sizes the pool from this fraction of the
+    # device's memory (num_blocks is then the most it may use) and reports the size it chose.
+    gpu_memory_utilization: float | None = None
 
     def __post_init__(self) -> None:
         check_field(self.block_size >= 1, "block_size", self.block_size, "must be >= 1")

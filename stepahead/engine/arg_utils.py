@@ -47,6 +47,9 @@ class EngineArgs:
     block_size: int = _arg(16, "tokens per KV-cache block")
     num_kv_blocks: int | None = _arg(None, "KV pool size in blocks, overriding the memory budget")
     kv_cache_memory_bytes: int | None = _arg(None, "KV pool budget in bytes")
+    gpu_memory_utilization: float = _arg(
+        0.9, "on CUDA, the fraction of the device's memory the engine may use: the KV pool gets what the "
+             "weights, the profiled activation peak and the CUDA graphs leave")
     enable_prefix_caching: bool = _arg(True, "reuse KV blocks of identical prompt prefixes")
     enable_chunked_prefill: bool = _arg(True, "split long prompts across steps")
     async_scheduling: bool | None = _arg(None, "schedule step N+1 while step N runs (default: on)")
@@ -75,6 +78,8 @@ class EngineArgs:
             check_field(value in allowed, name, value, f"must be one of {', '.join(allowed)}")
         check_field(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size", self.block_size,
                     "must be a power of two in [1, 128]")
+        check_field(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
+                    self.gpu_memory_utilization, "must be in (0, 1]")
         check_field(self.max_concurrent_batches is None or self.max_concurrent_batches >= 1,
                     "max_concurrent_batches", self.max_concurrent_batches, "must be >= 1")
 
@@ -111,12 +116,16 @@ class EngineArgs:
             debug_invariants=self.debug_invariants,
         )
         blocks_per_seq = cdiv(max_model_len, self.block_size)
+        # No need for more than every sequence at full length.
+        max_useful_blocks = self.max_num_seqs * blocks_per_seq + 1
         num_blocks = self.num_kv_blocks
-        if num_blocks is None:
-            budget = self.kv_cache_memory_bytes or _default_kv_budget(device)
-            num_blocks = budget // (self.block_size * model_config.kv_bytes_per_token())
-            # No need for more than every sequence at full length.
-            num_blocks = min(num_blocks, self.max_num_seqs * blocks_per_seq + 1)
+        gpu_memory_utilization = None
+        if num_blocks is None and self.kv_cache_memory_bytes is None and device == "cuda":
+            # The worker profiles and sizes the pool (worker/kv_memory.py); this is its upper bound.
+            num_blocks, gpu_memory_utilization = max_useful_blocks, self.gpu_memory_utilization
+        elif num_blocks is None:
+            budget = self.kv_cache_memory_bytes or DEFAULT_KV_CACHE_BYTES_CPU
+            num_blocks = min(budget // (self.block_size * model_config.kv_bytes_per_token()), max_useful_blocks)
         check_field(num_blocks - 1 >= blocks_per_seq, "num_kv_blocks", num_blocks,
                     f"must hold one max_model_len ({max_model_len}) sequence: at least {blocks_per_seq + 1} "
                     f"blocks of {self.block_size} tokens (block 0 is reserved); lower max_model_len or raise the pool")
@@ -125,6 +134,7 @@ class EngineArgs:
             num_blocks=num_blocks,
             enable_prefix_caching=self.enable_prefix_caching,
             defer_block_free=self.defer_block_free,
+            gpu_memory_utilization=gpu_memory_utilization,
         )
         # Every executor and feature stepahead has supports async scheduling (a step holding a grammar
         # defers its sampling instead), so unset means on.
@@ -159,10 +169,3 @@ def resolve_attention_backend(name: str, device: str) -> str:
     return name
 
 
-def _default_kv_budget(device: str) -> int:
-    if device == "cuda":
-        import torch
-
-        free, _total = torch.cuda.mem_get_info()
-        return int(free * 0.5)
-    return DEFAULT_KV_CACHE_BYTES_CPU

@@ -7,6 +7,7 @@ starts it before blocking on step N's output (docs/design.md, "Batch-queue depth
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import deque
@@ -47,6 +48,10 @@ class EngineCore:
     """
 
     def __init__(self, config: EngineConfig, executor: Executor) -> None:
+        if executor.num_kv_blocks is not None and executor.num_kv_blocks != config.cache_config.num_blocks:
+            # The worker sized the pool from device memory: the scheduler hands out exactly those blocks.
+            config = dataclasses.replace(
+                config, cache_config=dataclasses.replace(config.cache_config, num_blocks=executor.num_kv_blocks))
         self.config = config
         scheduler_cls = AsyncScheduler if config.async_scheduling else Scheduler
         self.scheduler: Scheduler = scheduler_cls(config.scheduler_config, config.cache_config)

@@ -51,6 +51,7 @@ class LLM:
         self.output_processor = OutputProcessor(self.tokenizer)
         try:
             self.engine_core = EngineCore(self.config, executor)
+            self.config = self.engine_core.config  # with the KV pool size the worker chose
         except BaseException:
             executor.shutdown()
             raise

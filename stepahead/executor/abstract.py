@@ -23,6 +23,9 @@ class Executor(ABC):
     an empty step. A worker failure resolves every pending future with a WorkerError.
     """
 
+    # The KV pool size (blocks) the worker allocated, once it is up; None when it used the config's.
+    num_kv_blocks: int | None = None
+
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput | None]: ...
 

@@ -70,6 +70,7 @@ class RunnerCalls:
             name: getattr(runner, name) for name in RUNNER_METHODS
         }
         self._timer = StepTimer()
+        self.num_kv_blocks: int | None = getattr(runner, "num_kv_blocks", None)
 
     def __call__(self, method: str, arg: Any) -> ModelRunnerOutput | None:
         started = time.perf_counter()

@@ -109,6 +109,7 @@ class MultiprocExecutor(Executor):
             if self._results in ready:
                 kind, payload = self._recv_result()
                 if kind == "ready":
+                    self.num_kv_blocks = payload
                     return
                 if kind == "error":
                     raise WorkerError(f"stepahead worker process failed to start: {payload}")

@@ -68,6 +68,7 @@ class UniProcExecutor(Executor):
         except BaseException as e:  # noqa: BLE001 - surfaced to the constructor's caller
             ready.set_exception(e)
             return
+        self.num_kv_blocks = run_call.num_kv_blocks
         ready.set_result(None)
         resolver = None
         if self.config.async_output:  # outputs resolve in a thread of their own, in call order

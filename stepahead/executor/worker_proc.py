@@ -1,7 +1,7 @@
 """The worker process of MultiprocExecutor: a ModelRunner serving calls from a pipe, in order.
 
 Protocol (pickled tuples). In: ("execute_model", SchedulerOutput), ("sample_tokens", GrammarOutput),
-("shutdown", None). Out: ("ready", None) once the model is loaded, then ("ok", [output, ...]): the
+("shutdown", None). Out: ("ready", number of KV blocks allocated) once the model is loaded, then ("ok", [output, ...]): the
 outputs of one or more calls, in call order; ("error", traceback text) on a failure, after which the
 process exits. A closed input pipe (the engine process is gone) also ends the process, so a worker
 never outlives its engine.
@@ -39,7 +39,7 @@ def worker_main(config: EngineConfig, num_threads: int, calls: Connection, resul
     except BaseException:  # noqa: BLE001 - reported to the engine, which raises it to the user
         results.send(("error", f"loading the model failed:\n{traceback.format_exc()}"))
         raise SystemExit(EXIT_ON_ERROR) from None
-    results.send(("ready", None))
+    results.send(("ready", run_call.num_kv_blocks))
     resolver = None
     if config.async_output:
         def resolve_failed(e: BaseException) -> None:

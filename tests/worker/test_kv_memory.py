@@ -1,0 +1,57 @@
+"""Sizing the KV pool from device memory: the arithmetic, the profiling step's shapes (run here on CPU,
+where only CUDA measures memory), and the engine adopting the size its worker chose."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from stepahead.engine.arg_utils import EngineArgs
+from stepahead.engine.core import EngineCore
+from stepahead.tools.scripted_worker import ScriptedModel
+from stepahead.worker.kv_memory import GiB, MemoryProfile, describe, kv_pool_blocks
+from stepahead.worker.model_runner import ModelRunner
+from tests.engine.fake_executor import EOS, FakeExecutor, make_engine
+from tests.worker.driver import make_config
+
+
+def test_pool_gets_what_the_budget_leaves():
+    profile = MemoryProfile(total_bytes=100 * GiB, used_bytes=10 * GiB, activation_peak_bytes=3 * GiB,
+                            graph_pool_bytes=GiB)
+    # 0.9 * 100 - 10 - 3 - 1 = 76 GiB of 1 MiB blocks, capped by what max_num_seqs full sequences need.
+    assert kv_pool_blocks(profile, 0.9, 2**20, 10**9) == 76 * 1024
+    assert kv_pool_blocks(profile, 0.9, 2**20, 5000) == 5000
+    assert kv_pool_blocks(profile, 0.1, 2**20, 10**9) == 0  # over budget already: the runner refuses
+    text = describe(profile, 0.9, 76 * 1024, 16, 2**20)
+    assert "77823 usable blocks of 16 tokens = 1245168 tokens" in text and "activation peak 3.00 GiB" in text
+
+
+def test_cuda_without_a_pool_size_leaves_sizing_to_the_worker(tiny_llama, monkeypatch):
+    monkeypatch.setattr(EngineArgs, "resolve_device", lambda self: "cuda")
+    args = dict(model=str(tiny_llama), max_model_len=64, max_num_seqs=8, block_size=16, load_format="dummy")
+    cache = EngineArgs(**args, gpu_memory_utilization=0.8).create_engine_config().cache_config
+    assert cache.gpu_memory_utilization == 0.8 and cache.num_blocks == 8 * 4 + 1  # the upper bound
+    for explicit in (dict(num_kv_blocks=20), dict(kv_cache_memory_bytes=2**20)):
+        assert EngineArgs(**args, **explicit).create_engine_config().cache_config.gpu_memory_utilization is None
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        EngineArgs(**args, gpu_memory_utilization=1.5)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "triton"])
+def test_profiling_steps_run_for_each_backend(tiny_llama, backend):
+    runner = ModelRunner(make_config(tiny_llama, attention_backend=backend, max_num_batched_tokens=96))
+    runner._dummy_step(96, 1)  # the largest prefill
+    runner._dummy_step(64, 64)  # the largest decode step (the graphs' shape)
+
+
+def test_engine_adopts_the_pool_size_its_worker_chose():
+    core, _ = make_engine(num_blocks=128)
+    executor = FakeExecutor(ScriptedModel(eos_token_id=EOS), block_size=4, num_blocks=40)
+    executor.num_kv_blocks = 40
+    adopted = EngineCore(core.config, executor)
+    assert adopted.config.cache_config.num_blocks == 40
+    assert adopted.scheduler.kv_cache_manager.num_usable_blocks == 39
+    assert dataclasses.replace(core.config.cache_config, num_blocks=40) == adopted.config.cache_config
+    core.executor.shutdown()
+    executor.shutdown()
