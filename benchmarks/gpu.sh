@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
-# Step-ahead (async) vs synchronous scheduling on one CUDA GPU, nano-vllm's bench.py protocol:
-# a Qwen3-0.6B-shaped model with dummy (random) weights, 256 sequences, input and output lengths
-# uniform in [100, 1024] token ids, ignore_eos, temperature 0.6. Writes JSON, a Chrome trace and a
-# timeline PNG into OUTDIR. Needs no network and no install: python3 with torch (CUDA), transformers,
-# tokenizers, safetensors, numpy, matplotlib and tqdm, as on the project's GPU machines.
+# The one GPU script: on one CUDA GPU, with nano-vllm's bench.py protocol (a Qwen3-0.6B-shaped model with
+# dummy bf16 weights, 256 sequences, input and output lengths uniform in [100, 1024] token ids,
+# ignore_eos, temperature 0.6), in about 8 minutes:
+#   1. the CUDA tests (Triton kernels, graph replay vs eager, greedy ids vs transformers float32);
+#   2. async (step-ahead) vs sync scheduling: output throughput, GPU utilization, a timeline PNG;
+#   3. ms per decode step at batch 64 (context ~500) and 256 (context ~850);
+#   4. transformers generate_batch (bf16) on the same requests.
+# Everything it prints also goes to OUTDIR/gpu-<stamp>.log, beside the JSON, trace and PNG files.
 #
 #   bash benchmarks/gpu.sh [OUTDIR]            # default OUTDIR: benchmarks/results
 #
-# Environment overrides: PYTHON, NUM_PROMPTS (256), MIN_LEN (100), MAX_LEN (1024), ROUNDS (2),
-# TIME_BUDGET (seconds of rounds, 300), EXECUTOR (mp), NUM_KV_BLOCKS (24576 per engine),
+# Missing Python packages travel as wheels in .whl/ (benchmarks/fetch_gpu_wheels.sh fills it) and are
+# installed into /tmp/site. Environment overrides: PYTHON, NUM_PROMPTS (256), MIN_LEN (100),
+# MAX_LEN (1024), ROUNDS (1), TIME_BUDGET (seconds of rounds, 150), EXECUTOR (mp), NUM_KV_BLOCKS
+# (24576 per engine), SKIP (space-separated parts to skip: tests compare decode transformers),
 # SMOKE=1 (a 2-layer model and 16 short sequences on CPU: checks this script anywhere in a minute).
 set -euo pipefail
 
@@ -26,12 +31,23 @@ if [ -z "$PY" ]; then
     PY="$REPO/.venv/bin/python"
   fi
 fi
-export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"   # run from the source tree; nothing to install
+STAMP="$(date -u +%Y%m%d-%H%M%S)"
+LOG="$OUTDIR/gpu-$STAMP.log"
+exec > >(tee -a "$LOG") 2>&1   # everything below is also in the log
+# Packages the GPU machine lacks, shipped as wheels (benchmarks/fetch_gpu_wheels.sh); run from the tree.
+SITE=""
+if ! "$PY" -c "import fastapi, pydantic, uvicorn, zmq, msgspec, gguf" 2>/dev/null \
+   && ls "$REPO"/.whl/*.whl >/dev/null 2>&1; then
+  SITE=/tmp/stepahead-site
+  "$PY" -m pip install -q --no-index --no-deps --target "$SITE" "$REPO"/.whl/*.whl
+fi
+export PYTHONPATH="$REPO${SITE:+:$SITE}${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 
 "$PY" - <<'EOF'
 import importlib, os, sys
-missing = [m for m in ("torch", "transformers", "tokenizers", "safetensors", "numpy", "matplotlib", "tqdm")
+missing = [m for m in ("torch", "transformers", "tokenizers", "safetensors", "numpy", "matplotlib", "tqdm",
+                       "fastapi", "pydantic", "zmq", "msgspec", "gguf")
            if importlib.util.find_spec(m) is None]
 if missing:
     sys.exit(f"gpu.sh: python lacks {missing}")
@@ -79,28 +95,56 @@ print(f"model folder {folder}: {cfg['num_hidden_layers']} layers, hidden {cfg['h
 EOF
 
 if [ "${SMOKE:-0}" = "1" ]; then
-  NUM_PROMPTS="${NUM_PROMPTS:-16}"; MIN_LEN="${MIN_LEN:-8}"; MAX_LEN="${MAX_LEN:-48}"; ROUNDS="${ROUNDS:-1}"
-  NUM_KV_BLOCKS="${NUM_KV_BLOCKS:-256}"; DEVICE=cpu
+  NUM_PROMPTS="${NUM_PROMPTS:-16}"; MIN_LEN="${MIN_LEN:-8}"; MAX_LEN="${MAX_LEN:-48}"
+  NUM_KV_BLOCKS="${NUM_KV_BLOCKS:-256}"; DEVICE=cpu; SKIP="${SKIP-tests transformers}"
+  DECODE_SHAPES="4:40 8:60"
 else
-  DEVICE=cuda
+  DEVICE=cuda; SKIP="${SKIP:-}"
+  DECODE_SHAPES="64:500 256:850"  # batch:context
 fi
 NUM_PROMPTS="${NUM_PROMPTS:-256}"; MIN_LEN="${MIN_LEN:-100}"; MAX_LEN="${MAX_LEN:-1024}"
-ROUNDS="${ROUNDS:-2}"; TIME_BUDGET="${TIME_BUDGET:-300}"; EXECUTOR="${EXECUTOR:-mp}"
+ROUNDS="${ROUNDS:-1}"; TIME_BUDGET="${TIME_BUDGET:-150}"; EXECUTOR="${EXECUTOR:-mp}"
 # Both engines live at once (they alternate): an explicit pool keeps them equal and leaves room.
 NUM_KV_BLOCKS="${NUM_KV_BLOCKS:-24576}"
 MAX_MODEL_LEN=$(( 2 * MAX_LEN > 256 ? 2 * MAX_LEN : 256 ))
-STAMP="$(date -u +%Y%m%d-%H%M%S)"
 BASE="$OUTDIR/gpu-qwen3-0.6b-dummy-$STAMP"
+WORKLOAD=(--model "$MODEL_DIR" --load-format dummy --device "$DEVICE" --executor "$EXECUTOR"
+          --max-model-len "$MAX_MODEL_LEN" --max-num-seqs 256 --max-num-batched-tokens 16384
+          --num-kv-blocks "$NUM_KV_BLOCKS"
+          --num-prompts "$NUM_PROMPTS" --input-len "$MIN_LEN:$MAX_LEN" --output-len "$MIN_LEN:$MAX_LEN"
+          --temperature 0.6 --ignore-eos --seed 0)
+wants() { [[ " $SKIP " != *" $1 "* ]]; }
+part() { echo; echo "=== $1 ($(date -u +%H:%M:%S))"; }
 
-set -x
-"$PY" -m stepahead.entrypoints.cli bench throughput \
-  --model "$MODEL_DIR" --load-format dummy --device "$DEVICE" --executor "$EXECUTOR" \
-  --max-model-len "$MAX_MODEL_LEN" --max-num-seqs 256 --max-num-batched-tokens 16384 \
-  --num-kv-blocks "$NUM_KV_BLOCKS" \
-  --num-prompts "$NUM_PROMPTS" --input-len "$MIN_LEN:$MAX_LEN" --output-len "$MIN_LEN:$MAX_LEN" \
-  --temperature 0.6 --ignore-eos --seed 0 \
-  --compare sync --rounds "$ROUNDS" --time-budget "$TIME_BUDGET" \
-  --json "$BASE.json" --trace "$BASE-trace.json" --plot "$BASE.png" --plot-steps 8
-set +x
+if wants tests; then
+  part "1. CUDA tests"
+  timeout 150 "$PY" -m pytest -q -p no:cacheprovider -x -k cuda \
+    "$REPO/tests/attention/test_triton_paged.py" "$REPO/tests/worker/test_runner_triton.py" || echo "CUDA tests FAILED or timed out"
+fi
+
+if wants compare; then
+  part "2. async vs sync, nano-vllm protocol"
+  timeout $(( TIME_BUDGET + 150 )) "$PY" -m stepahead.entrypoints.cli bench throughput "${WORKLOAD[@]}" \
+    --compare sync --rounds "$ROUNDS" --time-budget "$TIME_BUDGET" \
+    --json "$BASE.json" --trace "$BASE-trace.json" --plot "$BASE.png" --plot-steps 8 || echo "compare FAILED or timed out"
+fi
+
+if wants decode; then
+  part "3. ms per decode step"
+  for shape in $DECODE_SHAPES; do
+    batch="${shape%%:*}"; context="${shape##*:}"
+    timeout 120 "$PY" "$REPO/benchmarks/runner_step.py" --model "$MODEL_DIR" --load-format dummy --device "$DEVICE" \
+      --batch "$batch" --context "$context" --steps 20 --prefill 0 --json "$OUTDIR/gpu-decode-b$batch-$STAMP.json" \
+      || echo "decode batch $batch FAILED or timed out"
+  done
+fi
+
+if wants transformers; then
+  part "4. transformers generate_batch, same requests (greedy on both sides)"
+  timeout 240 "$PY" -m stepahead.entrypoints.cli bench throughput "${WORKLOAD[@]}" \
+    --compare transformers --hf-baselines generate_batch --json "$BASE-vs-transformers.json" \
+    || echo "transformers comparison FAILED or timed out"
+fi
+
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || true
-echo "wrote $BASE.json $BASE-trace.json $BASE.png"
+echo "wrote $LOG and $BASE*"

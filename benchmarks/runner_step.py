@@ -4,27 +4,37 @@ given context, and one long prefill.
     .venv/bin/python benchmarks/runner_step.py --threads 2 --batch 1 16 64 --context 256 --prefill 512
 
 Decode rows start from a context claimed as already computed (the KV contents do not matter for speed),
-so no long prefill is needed to set the benchmark up.
+so no long prefill is needed to set the benchmark up. A decode figure is the wall time of --steps
+consecutive steps divided by their number, the device synchronized at both ends: on CUDA the runner
+returns before the GPU is done (async outputs), so one step's host time would say nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 
 import torch
 
-from stepahead.engine.arg_utils import EngineArgs
 from stepahead.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from stepahead.engine.arg_utils import EngineArgs
 from stepahead.sampling_params import SamplingParams
 from stepahead.worker.model_runner import ModelRunner
 
 
+def _sync(runner: ModelRunner) -> None:
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def _step(runner: ModelRunner, so: SchedulerOutput) -> float:
+    _sync(runner)
     t0 = time.perf_counter()
     if runner.execute_model(so) is None:
         runner.sample_tokens(None)
+    _sync(runner)
     return (time.perf_counter() - t0) * 1e3
 
 
@@ -38,14 +48,25 @@ def bench_decode(runner: ModelRunner, batch: int, context: int, steps: int, bs: 
         next_block += blocks_per
         new.append(NewRequestData(rid, [7] * context, greedy, tables[rid], context - 1))
     ids = list(tables)
-    times = [_step(runner, SchedulerOutput(new, CachedRequestData(), dict.fromkeys(ids, 1), batch, set()))]
-    for s in range(steps + 2):
+
+    def decode(s: int) -> None:
         cd = CachedRequestData(req_ids=list(ids), new_block_ids=[None] * batch,
                                num_computed_tokens=[context + s] * batch, num_output_tokens=[s + 1] * batch)
-        times.append(_step(runner, SchedulerOutput([], cd, dict.fromkeys(ids, 1), batch, set())))
+        if runner.execute_model(SchedulerOutput([], cd, dict.fromkeys(ids, 1), batch, set())) is None:
+            runner.sample_tokens(None)
+
+    _step(runner, SchedulerOutput(new, CachedRequestData(), dict.fromkeys(ids, 1), batch, set()))
+    for s in range(3):  # warm-up
+        decode(s)
+    _sync(runner)
+    t0 = time.perf_counter()
+    for s in range(3, 3 + steps):
+        decode(s)
+    _sync(runner)
+    ms = (time.perf_counter() - t0) * 1e3 / steps
     # Release the worker state so the next batch starts clean.
     runner.execute_model(SchedulerOutput.make_empty(set(ids)))
-    return statistics.median(times[3:])
+    return ms
 
 
 def bench_prefill(runner: ModelRunner, n: int, reps: int, next_block: int, bs: int) -> float:
@@ -90,6 +111,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--load-format", default="auto", help="'dummy': random weights of the model's shape")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--json", default=None, metavar="FILE", help="also write the figures as JSON")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--context", type=int, default=256)
@@ -100,23 +124,34 @@ def main() -> None:
     args = ap.parse_args()
     bs = args.block_size
     max_b = max(args.batch)
-    num_blocks = 1 + max_b * -(-(args.context + args.steps + 4) // bs) + -(-args.prefill // bs)
-    cfg = EngineArgs(model=args.model, dtype=args.dtype, block_size=bs, num_kv_blocks=num_blocks,
-                     max_model_len=max(1024, args.context + args.steps + 8, args.prefill),
+    max_model_len = max(256, args.context + args.steps + 8, args.prefill)
+    num_blocks = 1 + max(max_b * -(-(args.context + args.steps + 4) // bs) + -(-args.prefill // bs),
+                         -(-max_model_len // bs))
+    cfg = EngineArgs(model=args.model, dtype=args.dtype, load_format=args.load_format, device=args.device,
+                     block_size=bs, num_kv_blocks=num_blocks,
+                     max_model_len=max_model_len,
                      max_num_batched_tokens=max(512, args.prefill), max_num_seqs=max(64, max_b),
                      num_threads=args.threads, executor="uni").create_engine_config()
     runner = ModelRunner(cfg)
-    print(f"model={cfg.model_config.model} dtype={cfg.model_config.dtype} threads={torch.get_num_threads()}")
+    print(f"model={cfg.model_config.model} dtype={cfg.model_config.dtype} device={cfg.device} "
+          f"attention={cfg.attention_backend} graphs={runner.decode_graphs is not None} threads={torch.get_num_threads()}")
+    figures: dict = {"model": cfg.model_config.model, "dtype": cfg.model_config.dtype, "device": cfg.device,
+                     "context": args.context, "decode_ms": {}}
     for b in args.batch:
         ms = bench_decode(runner, b, args.context, args.steps, bs, 1, tag=f"d{b}_")
-        line = f"decode  batch={b:<3d} context={args.context}: {ms:7.1f} ms/step  ({b / ms * 1e3:6.0f} tok/s)"
+        figures["decode_ms"][b] = ms
+        line = f"decode  batch={b:<3d} context={args.context}: {ms:7.2f} ms/step  ({b / ms * 1e3:6.0f} tok/s)"
         if args.hf:
             hf = bench_transformers(cfg.model_config.hf_config, b, args.context, args.steps)
             line += f"   transformers {hf:7.1f} ms/step  (x{hf / ms:.2f})"
         print(line)
     if args.prefill:
         ms = bench_prefill(runner, args.prefill, 3, 1, bs)
+        figures["prefill_ms"] = ms
         print(f"prefill {args.prefill} tokens: {ms:7.1f} ms")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=1)
 
 
 if __name__ == "__main__":

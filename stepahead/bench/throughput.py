@@ -248,7 +248,11 @@ def run_compare_transformers(ns, engine_args: EngineArgs, tracing: bool) -> dict
     hf_model = load_hf_model(engine_args.model, engine_args.load_format).to(device=device,
                                                                             dtype=getattr(torch, dtype))
     batch_size = ns.hf_batch_size or min(engine_args.max_num_seqs, len(requests))
-    baselines = [run_generate(hf_model, requests, batch_size), run_generate_batch(hf_model, requests, step_tokens)]
+    baselines = []
+    if "generate" in ns.hf_baselines:
+        baselines.append(run_generate(hf_model, requests, batch_size))
+    if "generate_batch" in ns.hf_baselines:
+        baselines.append(run_generate_batch(hf_model, requests, step_tokens))
     for baseline in baselines:
         print(baseline.line())
     summary = {"stepahead": ours.to_dict(), "transformers": [baseline.to_dict() for baseline in baselines],
@@ -307,6 +311,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--rounds", type=int, default=3, help="rounds of --compare sync (default: %(default)s)")
     g.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
                    help="--compare sync: start no round that would end past this many seconds of rounds")
+    g.add_argument("--hf-baselines", nargs="+", choices=["generate", "generate_batch"],
+                   default=["generate", "generate_batch"],
+                   help="transformers paths --compare transformers runs (default: both)")
     g.add_argument("--hf-batch-size", type=int, default=None,
                    help="static batch size of transformers generate (default: min(max-num-seqs, num-prompts))")
     add_output_args(parser)

@@ -141,7 +141,9 @@ class ModelRunner:
         sched = self.config.scheduler_config
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
-        largest_step = kv_memory.peak_bytes(lambda: self._dummy_step(sched.max_num_batched_tokens, 1))
+        # The largest step: max_num_batched_tokens of prefill, in rows no longer than max_model_len.
+        largest_step = kv_memory.peak_bytes(
+            lambda: self._dummy_step(sched.max_num_batched_tokens, cdiv(sched.max_num_batched_tokens, sched.max_model_len)))
         graphs = 0
         if self.config.attention_backend == "triton" and not self.config.enforce_eager:
             graphs = kv_memory.peak_bytes(lambda: self._dummy_step(sched.max_num_seqs, sched.max_num_seqs))

@@ -26,3 +26,8 @@ def test_gpu_script_smoke_mode_writes_json_trace_and_png(tmp_path):
     trace = json.loads(Path(str(result).replace(".json", "-trace.json")).read_text())
     assert {e["cat"] for e in trace["traceEvents"] if e["ph"] == "X"} == {"engine", "worker"}
     assert Path(str(result).replace(".json", ".png")).read_bytes()[:4] == b"\x89PNG"
+    # The decode-step part: one JSON per shape; and the whole run's log.
+    decode = {p.name.split("-")[2]: json.loads(p.read_text()) for p in tmp_path.glob("gpu-decode-b*.json")}
+    assert sorted(decode) == ["b4", "b8"] and all(d["decode_ms"] for d in decode.values())
+    (log,) = tmp_path.glob("gpu-2*.log")
+    assert "=== 3. ms per decode step" in log.read_text()

@@ -42,6 +42,7 @@ def test_cuda_without_a_pool_size_leaves_sizing_to_the_worker(tiny_llama, monkey
 def test_profiling_steps_run_for_each_backend(tiny_llama, backend):
     runner = ModelRunner(make_config(tiny_llama, attention_backend=backend, max_num_batched_tokens=96))
     runner._dummy_step(96, 1)  # the largest prefill
+    runner._dummy_step(96, 3)  # ... in rows of at most max_model_len tokens
     runner._dummy_step(64, 64)  # the largest decode step (the graphs' shape)
 
 
