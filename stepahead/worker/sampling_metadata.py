@@ -52,6 +52,8 @@ class _HostPack:
         self._nbytes += -(-array.nbytes // 8) * 8
 
     def upload(self, device: torch.device) -> dict[str, torch.Tensor]:
+        if device.type == "cpu":  # nothing to copy: the tensors can share the arrays' memory
+            return {name: torch.from_numpy(array) for name, (array, _) in self._arrays.items()}
         host = torch.empty(max(1, self._nbytes // 8), dtype=torch.int64, pin_memory=device.type == "cuda")
         host_bytes = host.numpy().view(np.uint8)
         for array, off in self._arrays.values():
