@@ -29,6 +29,9 @@ class ModelConfig:
     load_format: str = "auto"  # "auto" | "safetensors" | "gguf" | "dummy"
     served_model_name: str | None = None
     tokenizer: str | None = None  # folder holding the tokenizer; defaults to the model's
+    # A model-cache folder holding the checkpoint converted (config, tokenizer, safetensors weights):
+    # loads read it instead of the source (models/model_cache.py).
+    converted: str | None = None
 
     def kv_bytes_per_token(self) -> int:
         itemsize = 4 if self.dtype == "float32" else 2

@@ -1,16 +1,24 @@
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
+
+from tests.tiny_models import build_tiny_model
+
+# The suite converts models into a model cache of its own, not the user's (unless one is given).
+if "STEPAHEAD_CACHE" not in os.environ:
+    os.environ["STEPAHEAD_CACHE"] = tempfile.mkdtemp(prefix="stepahead-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["STEPAHEAD_CACHE"], True)
 
 if not torch.cuda.is_available():
     # The Triton kernels run through Triton's interpreter without a GPU; it must be chosen before triton
     # is first imported, and spawned workers inherit it.
     os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from tests.tiny_models import build_tiny_model
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,8 @@ the Triton kernels read any layout through strides.
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -42,13 +44,26 @@ class PagedKVCache:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         shape = (num_kv_heads, num_blocks, block_size, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k = [_zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.v = [_zeros(shape, dtype, device) for _ in range(num_layers)]
         self.scratch = KVGatherBuffer(block_size * head_dim, dtype, device)
         self.layers = [LayerKV(k, v, self.scratch) for k, v in zip(self.k, self.v, strict=True)]
 
     def layer(self, i: int) -> LayerKV:
         return self.layers[i]
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zeroed tensor. On CPU it lives in anonymous mmap memory, which the OS hands out zero-filled page
+    by page as it is first written, so a pool of gigabytes costs nothing until it fills (torch.zeros
+    would write every page at start: over a second for the default 2 GiB). Zeros matter: the SDPA path
+    reads never-written slots under a mask, and 0 * NaN garbage would be NaN."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
 
 
 @dataclass

@@ -61,6 +61,8 @@ class EngineArgs:
     num_threads: int | None = _arg(None, "torch threads in the worker (default: chosen by the executor)")
     served_model_name: str | None = _arg(None, "model name reported by the API")
     tokenizer: str | None = _arg(None, "folder holding the tokenizer (default: the model's)")
+    model_cache: bool = _arg(True, "keep what loading a GGUF file derives (config, tokenizer, converted weights) "
+                                   "in $STEPAHEAD_CACHE (default ~/.cache/stepahead), so later starts read only that")
     debug_invariants: bool = _arg(False, "check scheduler invariants after every step (slow)")
     defer_block_free: bool = _arg(False, "park freed KV blocks until every in-flight step is processed")
     trace: bool = _arg(False, "record a timeline trace of engine and worker events")
@@ -104,7 +106,8 @@ class EngineArgs:
         device = self.resolve_device()
         model_config = load_model_config(
             self.model, device, dtype=self.dtype, max_model_len=self.max_model_len, load_format=self.load_format,
-            seed=self.seed, served_model_name=self.served_model_name, tokenizer=self.tokenizer)
+            seed=self.seed, served_model_name=self.served_model_name, tokenizer=self.tokenizer,
+            use_cache=self.model_cache)
         max_model_len = model_config.max_model_len
         max_batched = self.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS,
                                                          0 if self.enable_chunked_prefill else max_model_len)

@@ -27,8 +27,14 @@ _LAYER_NAMES = {
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-@functools.lru_cache(maxsize=2)  # config and weights read the same file; parsing its metadata takes seconds
 def _open(path: str):
+    """The file's parsed reader; config and weights share it (parsing the metadata takes seconds)."""
+    stat = Path(path).stat()
+    return _open_version(path, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)  # keyed by size and mtime too: a file rewritten in place is parsed again
+def _open_version(path: str, _size: int, _mtime_ns: int):
     import gguf
 
     try:
@@ -114,6 +120,26 @@ def iter_gguf_weights(path: str, cfg: dict) -> Iterator[tuple[str, torch.Tensor]
         elif permute and name.endswith("self_attn.k_proj.weight"):
             w = unpermute_qk(w, cfg["num_key_value_heads"])
         yield name, torch.from_numpy(np.array(w, dtype=np.float32, order="C"))  # copy: the file is mmapped read-only
+
+
+def convert_to_folder(path: str, folder: Path, dtype: torch.dtype) -> None:
+    """Write the GGUF file as a model folder: config.json, the tokenizer's files (when the file holds a
+    tokenizer), model.safetensors in dtype."""
+    import json
+
+    from safetensors.torch import save_file
+    from tqdm.auto import tqdm
+    from transformers import AutoTokenizer
+
+    _arch, cfg = read_gguf_config(path)
+    (folder / "config.json").write_text(json.dumps(cfg, indent=1))
+    if _open(path).fields.get("tokenizer.ggml.model") is not None:
+        tokenizer_folder, name = gguf_tokenizer_location(path)
+        AutoTokenizer.from_pretrained(tokenizer_folder, gguf_file=name).save_pretrained(str(folder))
+    num_tensors = len(_open(path).tensors)
+    weights = {name: w.to(dtype) for name, w in tqdm(iter_gguf_weights(path, cfg), total=num_tensors,
+                                                      desc=f"Converting {Path(path).name} (first load only)")}
+    save_file(weights, str(folder / "model.safetensors"))
 
 
 def gguf_tokenizer_location(path: str) -> tuple[str, str]:

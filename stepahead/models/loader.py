@@ -4,14 +4,17 @@ before anything runs."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from stepahead.config import ModelConfig
-from stepahead.models import gguf_loader
+from stepahead.models import gguf_loader, model_cache
 from stepahead.models.llama import (
     SUPPORTED_ARCHITECTURES,
     SUPPORTED_ROPE_TYPES,
@@ -72,19 +75,31 @@ def _folder_config(folder: Path, load_format: str) -> tuple[str, dict, str]:
 
 def load_model_config(model: str | None, device: str, *, dtype: str = "auto", max_model_len: int | None = None,
                       load_format: str = "auto", seed: int = 0, served_model_name: str | None = None,
-                      tokenizer: str | None = None) -> ModelConfig:
-    """The checkpoint's ModelConfig (model None: the built-in one); every problem is a ValueError."""
+                      tokenizer: str | None = None, use_cache: bool = True) -> ModelConfig:
+    """The checkpoint's ModelConfig (model None: the built-in one); every problem is a ValueError.
+
+    A GGUF file is converted once into the model cache (use_cache, models/model_cache.py) and read
+    from there afterwards."""
     path = builtin_model_path() if model is None else model
     p = Path(path)
     if not p.exists():
         raise ValueError(f"model: {path!r} does not exist (expected a folder with config.json or a .gguf file)")
+    if dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" else "float32"
+    converted = None
     if p.is_dir():
         arch, cfg, resolved_format = _folder_config(p, load_format)
     elif p.suffix == ".gguf":
         if load_format == "safetensors":
             raise ValueError("load_format 'safetensors' does not fit a .gguf model (use auto, gguf or dummy)")
-        arch, cfg = gguf_loader.read_gguf_config(str(p))
         resolved_format = "gguf" if load_format == "auto" else load_format
+        if use_cache and resolved_format == "gguf":
+            converted = model_cache.cached_folder(
+                p, dtype, lambda folder: gguf_loader.convert_to_folder(str(p), folder, TORCH_DTYPES[dtype]))
+        if converted is not None:
+            arch, cfg, _ = _folder_config(converted, "safetensors")
+        else:
+            arch, cfg = gguf_loader.read_gguf_config(str(p))
     else:
         raise ValueError(f"model: {path!r} is neither a folder nor a .gguf file")
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -96,8 +111,6 @@ def load_model_config(model: str | None, device: str, *, dtype: str = "auto", ma
     kind = rope_type(margs.rope_scaling)
     if kind not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
-    if dtype == "auto":
-        dtype = "bfloat16" if device == "cuda" else "float32"
     model_max = margs.max_position_embeddings
     window = _sliding_window(arch, cfg)
     if window is not None and window < model_max:
@@ -116,6 +129,7 @@ def load_model_config(model: str | None, device: str, *, dtype: str = "auto", ma
         num_layers=margs.num_layers, num_kv_heads=margs.num_kv_heads, head_dim=margs.head_dim,
         eos_token_id=eos, seed=seed, load_format=resolved_format,
         served_model_name=served_model_name, tokenizer=tokenizer,
+        converted=None if converted is None else str(converted),
     )
 
 
@@ -145,17 +159,34 @@ def _iter_safetensors(folder: Path):
 def load_model(model_config: ModelConfig, device: str) -> LlamaForCausalLM:
     margs = LlamaArgs.from_hf_config(model_config.architecture, model_config.hf_config)
     dtype = TORCH_DTYPES[model_config.dtype]
-    with torch.device("meta"):
+    with torch.device("meta"), _no_param_init():
         model = LlamaForCausalLM(margs)
     model = model.to_empty(device=device).to(dtype)
     if model_config.load_format == "dummy":
         _init_dummy(model, model_config.seed)
+    elif model_config.converted is not None:
+        model.load_weights(_iter_safetensors(Path(model_config.converted)))
     elif model_config.load_format == "gguf":
         model.load_weights(gguf_loader.iter_gguf_weights(model_config.model, model_config.hf_config))
     else:
         model.load_weights(_iter_safetensors(Path(model_config.model)))
     model.init_rope(max(model_config.max_model_len, 1), dtype, device)
     return model.eval().requires_grad_(False)
+
+
+@contextlib.contextmanager
+def _no_param_init() -> Iterator[None]:
+    """Skip nn.Linear/nn.Embedding's random init while the model is built on the meta device: the weights
+    are loaded (or drawn) afterwards, and the first init on meta tensors alone costs over a second
+    (torch traces it through its reference implementations)."""
+    saved = {name: getattr(nn.init, name) for name in ("normal_", "uniform_", "kaiming_uniform_")}
+    try:
+        for name in saved:
+            setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
 
 
 @torch.no_grad()
@@ -174,6 +205,9 @@ def load_tokenizer(model_config: ModelConfig):
     from transformers import AutoTokenizer
 
     src = model_config.tokenizer or model_config.model
+    if model_config.tokenizer is None and model_config.converted is not None \
+            and (Path(model_config.converted) / "tokenizer_config.json").is_file():
+        src = model_config.converted  # the GGUF's tokenizer, converted once
     try:
         if src.endswith(".gguf"):
             folder, name = gguf_loader.gguf_tokenizer_location(src)

@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import shutil
 
-import numpy as np
 import pytest
 import torch
 
 from stepahead.models.loader import load_model, load_model_config, load_tokenizer
 from stepahead.sampling_params import SamplingParams
 from stepahead.worker.model_runner import ModelRunner
+from tests.models.gguf_writer import write_gguf
 from tests.tiny_models import hf_greedy
 from tests.worker.driver import MiniSched, make_config
 
@@ -78,56 +78,9 @@ def test_dummy_weights_have_model_shape(tiny_llama):
     assert model.embed_tokens.weight.shape == (2048, 64) and model.embed_tokens.weight.std() > 0
 
 
-def _llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """What llama.cpp's converter does to Q/K rows (written independently for the test)."""
-    hd = w.shape[0] // n_head
-    return w.reshape(n_head, 2, hd // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _write_gguf(folder, path):
-    import gguf
-    from safetensors.torch import load_file
-
-    cfg = json.loads((folder / "config.json").read_text())
-    sd = load_file(str(folder / "model.safetensors"))
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_freq_base(10000.0)
-    w.add_vocab_size(cfg["vocab_size"])
-    w.add_eos_token_id(2)
-    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-             "self_attn.o_proj": "attn_output", "input_layernorm": "attn_norm",
-             "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down"}
-    for name, t in sd.items():
-        a = t.float().numpy()
-        if name.startswith("model.layers."):
-            _, _, i, *rest = name.split(".")
-            base, kind = ".".join(rest[:-1]), rest[-1]
-            if base == "self_attn.q_proj":
-                a = _llamacpp_permute(a, cfg["num_attention_heads"])
-            elif base == "self_attn.k_proj":
-                a = _llamacpp_permute(a, cfg["num_key_value_heads"])
-            gname = f"blk.{i}.{names[base]}.{kind}"
-        else:
-            gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                     "lm_head.weight": "output.weight"}[name]
-        w.add_tensor(gname, np.ascontiguousarray(a))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
 def test_gguf_matches_safetensors_twin(tiny_llama, tmp_path):
     path = tmp_path / "tiny.gguf"
-    _write_gguf(tiny_llama, path)
+    write_gguf(tiny_llama, path)
     g_cfg = load_model_config(str(path), "cpu")
     s_cfg = load_model_config(str(tiny_llama), "cpu")
     assert (g_cfg.load_format, g_cfg.eos_token_id, g_cfg.head_dim) == ("gguf", 2, s_cfg.head_dim)
