@@ -4,7 +4,8 @@ EngineArgs (stepahead.engine.arg_utils) resolves user arguments into these; the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from stepahead.validation import check_field
 
@@ -32,6 +33,9 @@ class ModelConfig:
     # A model-cache folder holding the checkpoint converted (config, tokenizer, safetensors weights):
     # loads read it instead of the source (models/model_cache.py).
     converted: str | None = None
+    # SamplingParams defaults from the model's generation_config.json (models/generation_config.py).
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
+    chat_template: str | None = None  # replaces the tokenizer's chat template (Jinja text)
 
     def kv_bytes_per_token(self) -> int:
         itemsize = 4 if self.dtype == "float32" else 2

@@ -61,6 +61,12 @@ class EngineArgs:
     num_threads: int | None = _arg(None, "torch threads in the worker (default: chosen by the executor)")
     served_model_name: str | None = _arg(None, "model name reported by the API")
     tokenizer: str | None = _arg(None, "folder holding the tokenizer (default: the model's)")
+    revision: str | None = _arg(None, "the Hugging Face model's revision (branch, tag or commit) to use")
+    download_dir: str | None = _arg(None, "where Hugging Face models are cached (default: HF_HOME's hub cache)")
+    generation_config: str = _arg(
+        "auto", "'auto': requests that leave a sampling field unset get the model's generation_config.json "
+                "value; 'vllm': vLLM's defaults; or a folder holding a generation_config.json")
+    chat_template: str | None = _arg(None, "a Jinja file (or template text) replacing the tokenizer's chat template")
     model_cache: bool = _arg(True, "keep what loading a GGUF file derives (config, tokenizer, converted weights) "
                                    "in $STEPAHEAD_CACHE (default ~/.cache/stepahead), so later starts read only that")
     debug_invariants: bool = _arg(False, "check scheduler invariants after every step (slow)")
@@ -107,7 +113,8 @@ class EngineArgs:
         model_config = load_model_config(
             self.model, device, dtype=self.dtype, max_model_len=self.max_model_len, load_format=self.load_format,
             seed=self.seed, served_model_name=self.served_model_name, tokenizer=self.tokenizer,
-            use_cache=self.model_cache)
+            use_cache=self.model_cache, revision=self.revision, download_dir=self.download_dir,
+            generation_config=self.generation_config, chat_template=self.chat_template)
         max_model_len = model_config.max_model_len
         max_batched = self.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS,
                                                          0 if self.enable_chunked_prefill else max_model_len)

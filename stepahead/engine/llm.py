@@ -101,7 +101,8 @@ class LLM:
         """
         self._check_alive()
         request_id = str(next(self._request_counter))
-        children, text = self.input_processor.process(request_id, prompt, sampling_params or SamplingParams())
+        children, text = self.input_processor.process(request_id, prompt,
+                                                      sampling_params or self.get_default_sampling_params())
         self.output_processor.add_request(request_id, children, text, RequestOutputKind.DELTA)
         finished = False
         try:
@@ -153,12 +154,16 @@ class LLM:
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the model's generation_config.json defaults (see --generation-config)."""
+        return SamplingParams(**self.config.model_config.generation_defaults)
+
     # -- the engine loop ------------------------------------------------------------------------------
 
     def _params_list(self, params: SamplingParams | Sequence[SamplingParams] | None,
                      num_prompts: int) -> list[SamplingParams]:
         if params is None:
-            return [SamplingParams()] * num_prompts
+            return [self.get_default_sampling_params()] * num_prompts
         if isinstance(params, SamplingParams):
             return [params] * num_prompts
         params = list(params)

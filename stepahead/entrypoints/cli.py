@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import sys
 from collections.abc import Sequence
@@ -22,16 +23,20 @@ _SUBCOMMAND_MODULES = (
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
     group = parser.add_argument_group("sampling")
     group.add_argument("--max-tokens", type=int, default=max_tokens, help="tokens to generate (default: %(default)s)")
-    group.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default: %(default)s)")
-    group.add_argument("--top-p", type=float, default=1.0)
-    group.add_argument("--top-k", type=int, default=0, help="0 or -1: off")
+    # Unset: the model's generation_config.json value (see --generation-config), else vLLM's default.
+    group.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: the model's, or 1.0)")
+    group.add_argument("--top-p", type=float, default=None, help="(default: the model's, or 1.0)")
+    group.add_argument("--top-k", type=int, default=None, help="0 or -1: off (default: the model's, or off)")
     # --seed is the engine flag (add_engine_args); it seeds the request's sampling too.
 
 
-def sampling_params_from_namespace(ns: argparse.Namespace, n: int = 1, seeded: bool = True) -> SamplingParams:
-    """seeded: the request samples with --seed (one-shot generate is reproducible on its own)."""
-    return SamplingParams(n=n, max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
-                          top_k=ns.top_k, seed=ns.seed if seeded else None)
+def sampling_params_from_namespace(ns: argparse.Namespace, n: int = 1, seeded: bool = True,
+                                   defaults: SamplingParams | None = None) -> SamplingParams:
+    """The flags given, over `defaults` (the model's, from LLM.get_default_sampling_params).
+    seeded: the request samples with --seed (one-shot generate is reproducible on its own)."""
+    base = defaults or SamplingParams()
+    given = {name: getattr(ns, name) for name in ("temperature", "top_p", "top_k") if getattr(ns, name) is not None}
+    return dataclasses.replace(base, n=n, max_tokens=ns.max_tokens, seed=ns.seed if seeded else None, **given)
 
 
 def _make_llm(ns: argparse.Namespace):
@@ -43,8 +48,9 @@ def _make_llm(ns: argparse.Namespace):
 
 
 def run_generate(ns: argparse.Namespace) -> int:
-    params = sampling_params_from_namespace(ns, n=ns.n)  # bad flags fail before the model loads
+    sampling_params_from_namespace(ns, n=ns.n)  # bad flags fail before the model loads
     with _make_llm(ns) as llm:
+        params = sampling_params_from_namespace(ns, n=ns.n, defaults=llm.get_default_sampling_params())
         use_chat = ns.chat if ns.chat is not None else getattr(llm.get_tokenizer(), "chat_template", None) is not None
         prompt = llm.apply_chat_template([{"role": "user", "content": ns.prompt}]) if use_chat else ns.prompt
         (request_output,) = llm.generate(prompt, params, use_tqdm=False)
@@ -59,8 +65,9 @@ def run_chat(ns: argparse.Namespace) -> int:
     """Interactive chat: stream each reply as it is generated; the conversation is kept as history."""
     # Not seeded per request: each turn would draw the same noise. The engine seed keeps a
     # whole session reproducible.
-    params = sampling_params_from_namespace(ns, seeded=False)
+    sampling_params_from_namespace(ns, seeded=False)  # bad flags fail before the model loads
     with _make_llm(ns) as llm:
+        params = sampling_params_from_namespace(ns, seeded=False, defaults=llm.get_default_sampling_params())
         history: list[dict[str, str]] = []
         if ns.system:
             history.append({"role": "system", "content": ns.system})

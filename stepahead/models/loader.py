@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from stepahead.config import ModelConfig
-from stepahead.models import gguf_loader, model_cache
+from stepahead.models import gguf_loader, hub, model_cache
+from stepahead.models.generation_config import generation_defaults
 from stepahead.models.llama import (
     SUPPORTED_ARCHITECTURES,
     SUPPORTED_ROPE_TYPES,
@@ -75,15 +76,22 @@ def _folder_config(folder: Path, load_format: str) -> tuple[str, dict, str]:
 
 def load_model_config(model: str | None, device: str, *, dtype: str = "auto", max_model_len: int | None = None,
                       load_format: str = "auto", seed: int = 0, served_model_name: str | None = None,
-                      tokenizer: str | None = None, use_cache: bool = True) -> ModelConfig:
+                      tokenizer: str | None = None, use_cache: bool = True, revision: str | None = None,
+                      download_dir: str | None = None, generation_config: str = "auto",
+                      chat_template: str | None = None) -> ModelConfig:
     """The checkpoint's ModelConfig (model None: the built-in one); every problem is a ValueError.
 
-    A GGUF file is converted once into the model cache (use_cache, models/model_cache.py) and read
-    from there afterwards."""
+    model is a folder, a .gguf file or a Hugging Face id (ORG/NAME, models/hub.py). A GGUF file is
+    converted once into the model cache (use_cache, models/model_cache.py) and read from there
+    afterwards."""
     path = builtin_model_path() if model is None else model
     p = Path(path)
+    if not p.exists() and hub.looks_like_repo_id(path):
+        p = Path(hub.resolve_repo(path, revision, download_dir))
+        served_model_name = served_model_name or path  # the id, as vLLM reports it
     if not p.exists():
-        raise ValueError(f"model: {path!r} does not exist (expected a folder with config.json or a .gguf file)")
+        raise ValueError(f"model: {path!r} does not exist (expected a folder with config.json, a .gguf file "
+                         "or a Hugging Face model id ORG/NAME)")
     if dtype == "auto":
         dtype = "bfloat16" if device == "cuda" else "float32"
     converted = None
@@ -130,7 +138,21 @@ def load_model_config(model: str | None, device: str, *, dtype: str = "auto", ma
         eos_token_id=eos, seed=seed, load_format=resolved_format,
         served_model_name=served_model_name, tokenizer=tokenizer,
         converted=None if converted is None else str(converted),
+        generation_defaults=generation_defaults(generation_config, p if p.is_dir() else None),
+        chat_template=_read_chat_template(chat_template),
     )
+
+
+def _read_chat_template(template: str | None) -> str | None:
+    """--chat-template: a file's text, or the argument itself when it is Jinja text rather than a path."""
+    if template is None:
+        return None
+    path = Path(template)
+    if path.is_file():
+        return path.read_text()
+    if "{" in template:
+        return template
+    raise ValueError(f"chat_template: {template!r} is neither a file nor a Jinja template")
 
 
 def _sliding_window(arch: str, cfg: dict) -> int | None:
@@ -218,4 +240,6 @@ def load_tokenizer(model_config: ModelConfig):
         raise ValueError(f"tokenizer: could not load a tokenizer from {src!r}: {e}") from e
     if tok.eos_token_id is None:
         raise ValueError(f"tokenizer: the tokenizer from {src!r} has no EOS token")
+    if model_config.chat_template is not None:
+        tok.chat_template = model_config.chat_template
     return tok

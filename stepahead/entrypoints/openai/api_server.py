@@ -228,7 +228,11 @@ async def run_server(ns: argparse.Namespace) -> int:
     app = build_app(engine, model, api_key, state)
     routes = ", ".join(sorted(route.path for route in app.routes
                               if not route.path.startswith(("/docs", "/redoc", "/openapi"))))
-    logger.info("Serving model %r; routes: %s", model.name, routes)
+    logger.info("Routes: %s", routes)
+    stats, block_size = engine.get_stats(), config.cache_config.block_size
+    logger.info("Ready on http://%s:%d: model %r (%s), context %d tokens, KV cache %d tokens (%d blocks of %d)",
+                host, port, model.name, config.model_config.model, config.model_config.max_model_len,
+                stats.num_total_blocks * block_size, stats.num_total_blocks, block_size)
     uv_config = uvicorn.Config(app, log_level=ns.uvicorn_log_level, lifespan="off",
                                timeout_graceful_shutdown=max(ns.shutdown_timeout, 1.0))
     server = _Server(uv_config, engine, state, ns.shutdown_timeout)

@@ -72,6 +72,7 @@ class OpenAIServing:
     def __init__(self, engine: AsyncLLM, model: ServedModel) -> None:
         self.engine = engine
         self.model = model
+        self.generation_defaults = engine.config.model_config.generation_defaults
 
     def check_request(self, req: SamplingFields) -> str:
         """The model name to answer with, after the checks every endpoint makes."""

@@ -97,7 +97,7 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError("tools are not supported by this server", 400, "tools")
         top_logprobs = self._top_logprobs(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = sampling_params_of(req, max_tokens, top_logprobs)
+        params = sampling_params_of(req, max_tokens, top_logprobs, self.generation_defaults)
         text = render_chat(self.engine.tokenizer, req.messages, req.add_generation_prompt,
                            req.continue_final_message, req.chat_template_kwargs)
         prompt_ids = list(self.engine.tokenizer.encode(text, add_special_tokens=req.add_special_tokens))

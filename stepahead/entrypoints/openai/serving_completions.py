@@ -62,7 +62,7 @@ class OpenAIServingCompletion(OpenAIServing):
             raise APIError("suffix is not currently supported", 400, "suffix")
         if req.echo and req.logprobs is not None:
             raise APIError("echo together with logprobs is not supported (no prompt logprobs)", 400, "echo")
-        params = sampling_params_of(req, req.max_tokens, req.logprobs)
+        params = sampling_params_of(req, req.max_tokens, req.logprobs, self.generation_defaults)
         prompts = _prompt_list(req)
         request_id = random_id("cmpl")
         ids = [f"{request_id}-{index}" for index in range(len(prompts))]

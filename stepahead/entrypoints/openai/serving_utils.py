@@ -85,16 +85,24 @@ def structured_outputs_of(req: SamplingFields) -> StructuredOutputsParams | None
                                    grammar=structured.grammar)
 
 
-def sampling_params_of(req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-    """Raises ValueError (a 400) naming the field and its range."""
+def sampling_params_of(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
+                       defaults: dict[str, Any]) -> SamplingParams:
+    """Raises ValueError (a 400) naming the field and its range. Fields the request leaves unset take
+    `defaults` (the model's generation_config.json), then vLLM's own defaults."""
+    def pick(value: Any, name: str, fallback: Any) -> Any:
+        return defaults.get(name, fallback) if value is None else value
+
+    if max_tokens is not None and defaults.get("max_tokens") is not None:
+        max_tokens = min(max_tokens, defaults["max_tokens"])  # the model's cap holds, as in vLLM
+
     return SamplingParams(
         n=req.n,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=0 if req.top_k is None else req.top_k,
-        min_p=0.0 if req.min_p is None else req.min_p,
+        temperature=pick(req.temperature, "temperature", 1.0),
+        top_p=pick(req.top_p, "top_p", 1.0),
+        top_k=pick(req.top_k, "top_k", 0),
+        min_p=pick(req.min_p, "min_p", 0.0),
         seed=req.seed,
-        max_tokens=max_tokens,
+        max_tokens=pick(max_tokens, "max_tokens", None),
         min_tokens=req.min_tokens,
         stop=req.stop,
         stop_token_ids=req.stop_token_ids,
@@ -103,7 +111,7 @@ def sampling_params_of(req: SamplingFields, max_tokens: int | None, logprobs: in
         logprobs=logprobs,
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        repetition_penalty=pick(req.repetition_penalty, "repetition_penalty", 1.0),
         skip_special_tokens=req.skip_special_tokens,
         structured_outputs=structured_outputs_of(req),
     )
