@@ -91,7 +91,9 @@ def _attend_key_tile(acc, m_i, l_i, start, q, q_pos, kv_end, qk_scale, block_tab
     return acc, m_new, l_i * alpha + tl.sum(p, 1)
 
 
-@triton.jit
+# num_rows and the block table's width change every step: specialising on them (Triton specialises ints
+# equal to 1 or divisible by 16) would compile new variants while serving.
+@triton.jit(do_not_specialize=["num_rows", "stride_bt"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
     split_acc_ptr, split_max_ptr, split_sum_ptr,  # split-KV scratch; unused when NUM_SPLITS == 1
@@ -236,7 +238,8 @@ def _auto_kv_splits(q: torch.Tensor, num_rows: int, num_kv_heads: int) -> int:
         return 1
     programs = num_rows * num_kv_heads
     device = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    return max(1, min(MAX_KV_SPLITS, 2 * _sm_count(device) // programs))
+    splits = max(1, min(MAX_KV_SPLITS, 2 * _sm_count(device) // programs))
+    return 1 << (splits.bit_length() - 1)  # a power of two: few compiled variants of NUM_SPLITS
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
@@ -312,7 +315,7 @@ def _write_kv_kernel(
         return
     block = slot // block_size
     in_block = slot % block_size
-    h = tl.arange(0, BLOCK_H)[:, None]
+    h = tl.arange(0, BLOCK_H).to(tl.int64)[:, None]  # head * stride overflows int32 on large caches
     d = tl.arange(0, BLOCK_D)[None, :]
     mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
     k = tl.load(k_ptr + tok * stride_kt + h * stride_kh + d * stride_kd, mask=mask)

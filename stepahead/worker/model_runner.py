@@ -37,6 +37,7 @@ from stepahead.worker.sampling_metadata import RowSampling, SamplingMetadata
 from stepahead.worker.staging import StagingBuffer
 
 logger = logging.getLogger(__name__)
+STAGING_ALIGNMENT_SLACK = 64  # each staging region starts 16-byte aligned: at most one slot lost per region
 
 @dataclass
 class StepInputs:
@@ -102,7 +103,7 @@ class ModelRunner:
         max_blocks_per_seq = cdiv(sched_config.max_model_len, cache_config.block_size)
         # Worst step: 3 per token (ids, positions, slots), block tables of every row, 6 per row.
         capacity = (3 * sched_config.max_num_batched_tokens + 6 * sched_config.max_num_seqs + 1
-                    + 2 * sched_config.max_num_seqs * max_blocks_per_seq)
+                    + 2 * sched_config.max_num_seqs * max_blocks_per_seq + STAGING_ALIGNMENT_SLACK)
         self.staging = StagingBuffer(capacity, self.device)
         if config.attention_backend == "triton":
             self.attention_backend = TritonBackend(self.block_size)
@@ -113,6 +114,8 @@ class ModelRunner:
         self.num_kv_blocks = cache_config.num_blocks  # the pool's size, reported to the engine
         if cache_config.gpu_memory_utilization is not None:
             self.num_kv_blocks = self._kv_blocks_from_memory(cache_config.gpu_memory_utilization, max_blocks_per_seq)
+        elif self.device.type == "cuda":  # compile the kernels a prefill uses before the first request
+            self._dummy_step(min(64, sched_config.max_num_batched_tokens, 2 * sched_config.max_model_len), 2)
         self.kv_cache = self._new_kv_cache(self.num_kv_blocks)
         # Decode-only steps replay a captured forward pass: CUDA with the Triton backend, unless eager.
         self.decode_graphs: DecodeGraphs | None = None
@@ -139,14 +142,16 @@ class ModelRunner:
     def _kv_blocks_from_memory(self, gpu_memory_utilization: float, max_blocks_per_seq: int) -> int:
         """The pool size that fits gpu_memory_utilization of the device, after profiling (kv_memory.py)."""
         sched = self.config.scheduler_config
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info()
         # The largest step: max_num_batched_tokens of prefill, in rows no longer than max_model_len.
         largest_step = kv_memory.peak_bytes(
             lambda: self._dummy_step(sched.max_num_batched_tokens, cdiv(sched.max_num_batched_tokens, sched.max_model_len)))
         graphs = 0
         if self.config.attention_backend == "triton" and not self.config.enforce_eager:
             graphs = kv_memory.peak_bytes(lambda: self._dummy_step(sched.max_num_seqs, sched.max_num_seqs))
+        # Measured after the profiling steps, so what they loaded outside torch's allocator (cuBLAS
+        # workspaces, kernel images, Triton modules) counts as held.
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
         profile = kv_memory.MemoryProfile(total, total - free, largest_step, graphs)
         bytes_per_block = self.block_size * self.config.model_config.kv_bytes_per_token()
         num_blocks = kv_memory.kv_pool_blocks(profile, gpu_memory_utilization, bytes_per_block,
@@ -178,7 +183,9 @@ class ModelRunner:
         hidden = self.model(torch.zeros_like(positions), positions, scratch, metadata)
         num_sample = min(num_tokens, self.config.scheduler_config.max_num_seqs)
         logits = self.model.compute_logits(hidden[:num_sample]).float()
-        rows_sampling = [RowSampling(SamplingParams(temperature=1.0, top_p=0.9), [], [], [])] * num_sample
+        # Top-p sorts the vocabulary; penalties build [rows, vocab] tables: the sampler's worst case.
+        worst = SamplingParams(temperature=1.0, top_p=0.9, presence_penalty=0.1, repetition_penalty=1.1)
+        rows_sampling = [RowSampling(worst, [1], [1], [])] * num_sample
         sample(logits, SamplingMetadata.from_rows(rows_sampling, logits.shape[1], self.device))
 
     # ---- state updates from the scheduler's diffs ----
@@ -406,7 +413,7 @@ class ModelRunner:
         host = copy_to_host(sampled)
         ready = gpu_timing = None
         if self.device.type == "cuda":
-            ready = torch.cuda.Event(enable_timing=True)
+            ready = torch.cuda.Event(enable_timing=True, blocking=True)  # the resolver sleeps, not spins
             ready.record()
             gpu_timing = (step.gpu_start, ready)
         placeholders = []

@@ -23,7 +23,8 @@ class StagingBuffer:
         num_host = 1 if self.on_cpu else 2
         pin = not self.on_cpu and torch.cuda.is_available()
         self._hosts = [torch.zeros(capacity, dtype=torch.int64, pin_memory=pin) for _ in range(num_host)]
-        self._copied = [torch.cuda.Event() if not self.on_cpu else None for _ in range(num_host)]
+        # blocking: a wait sleeps instead of spinning a core
+        self._copied = [torch.cuda.Event(blocking=True) if not self.on_cpu else None for _ in range(num_host)]
         self._turn = 0
         self.host = self._hosts[0]
         self.np = self.host.numpy()
@@ -43,7 +44,7 @@ class StagingBuffer:
     def alloc(self, n: int) -> tuple[np.ndarray, int]:
         """Reserve n slots; returns the host numpy view and its offset. The capacity is sized for the
         worst step the scheduler limits allow, so views handed out earlier in a step stay valid."""
-        off = self.used
+        off = (self.used + 1) & ~1  # 16-byte aligned: Triton compiles one variant for aligned pointers
         if off + n > self.np.shape[0]:
             raise RuntimeError(f"step inputs need {off + n} staging slots, capacity {self.np.shape[0]}")
         self.used = off + n

@@ -56,3 +56,15 @@ def test_engine_adopts_the_pool_size_its_worker_chose():
     assert dataclasses.replace(core.config.cache_config, num_blocks=40) == adopted.config.cache_config
     core.executor.shutdown()
     executor.shutdown()
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_pool_sized_from_memory_serves_requests(tiny_llama):
+    from stepahead import LLM, SamplingParams
+
+    with LLM(str(tiny_llama), device="cuda", max_model_len=128, gpu_memory_utilization=0.5) as llm:
+        cache = llm.config.cache_config
+        assert cache.gpu_memory_utilization == 0.5 and cache.num_blocks == llm.stats().num_total_blocks + 1
+        (out,) = llm.generate({"prompt_token_ids": list(range(5, 40))},
+                              SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+        assert len(out.outputs[0].token_ids) == 8
