@@ -3,17 +3,22 @@
 Requests accept unknown fields (`extra="allow"`, as OpenAI clients send new ones all the time); the
 serving layer logs each ignored field name once. Fields that would change the output but that
 stepahead does not implement are rejected with a 400 instead of being silently ignored.
+
+Numbers are strict: no NaN or infinity, OpenAI's ranges for the sampling fields, integers in bounds
+that name the field when exceeded, and no booleans where token ids or counts are expected.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 _INT64 = dict(ge=-(2**63), le=2**63 - 1)
+_COUNT = dict(ge=0, le=2**31 - 1)  # token counts and the like: anything larger is a mistake
+TokenId = Annotated[StrictInt, Field(ge=-(2**31), le=2**31 - 1)]  # true/false are not token ids; the vocabulary check names bad ones
 
 
 def random_id(prefix: str) -> str:
@@ -21,7 +26,7 @@ def random_id(prefix: str) -> str:
 
 
 class OpenAIRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
 
 class StreamOptions(OpenAIRequest):
@@ -44,20 +49,20 @@ class SamplingFields(OpenAIRequest):
     """Fields shared by completions and chat completions (OpenAI's plus vLLM's sampling extras)."""
 
     model: str | None = None
-    n: int = 1
-    best_of: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = Field(default=None, **_INT64)
+    n: StrictInt = Field(default=1, **_COUNT)
+    best_of: StrictInt | None = Field(default=None, **_COUNT)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: StrictInt | None = Field(default=None, ge=-1, le=2**31 - 1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    seed: StrictInt | None = Field(default=None, **_INT64)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    repetition_penalty: float | None = None
+    min_tokens: StrictInt = Field(default=0, **_COUNT)
+    presence_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -69,10 +74,10 @@ class SamplingFields(OpenAIRequest):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    max_tokens: StrictInt | None = Field(default=16, **_COUNT)
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: StrictInt | None = Field(default=None, **_COUNT)
     suffix: str | None = None
     add_special_tokens: bool = True
 
@@ -90,10 +95,10 @@ class ChatMessage(OpenAIRequest):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None  # deprecated alias of max_completion_tokens
-    max_completion_tokens: int | None = None
+    max_tokens: StrictInt | None = Field(default=None, **_COUNT)  # deprecated alias of max_completion_tokens
+    max_completion_tokens: StrictInt | None = Field(default=None, **_COUNT)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: StrictInt | None = Field(default=None, **_COUNT)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False  # the chat template already adds what the model needs
@@ -114,7 +119,7 @@ class TokenizeRequest(OpenAIRequest):
 
 class DetokenizeRequest(OpenAIRequest):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 # -- responses ---------------------------------------------------------------------------------------

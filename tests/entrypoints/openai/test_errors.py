@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import openai
 import pytest
 
@@ -52,6 +54,16 @@ BAD_COMPLETIONS = [
     ({"structured_outputs": {"regex": "[a-z]+"}}, "structured_outputs", "structured outputs are not supported yet"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one of"),
     ({"stream": "maybe"}, "stream", ""),
+    # Strict numbers: OpenAI's ranges, integers in bounds, booleans are not token ids.
+    ({"temperature": 1e308}, "temperature", "less than or equal to 2"),
+    ({"temperature": 2.5}, "temperature", "temperature"),
+    ({"top_k": 1e20}, "top_k", "integer"),
+    ({"top_k": 10**20}, "top_k", "top_k"),
+    ({"max_tokens": 2**40}, "max_tokens", "max_tokens"),
+    ({"n": True}, "n", ""),
+    ({"prompt": [True, False]}, "prompt", ""),
+    ({"prompt": [[False]]}, "prompt", ""),
+    ({"stop_token_ids": [True]}, "stop_token_ids", ""),
 ]
 
 
@@ -77,6 +89,14 @@ def _ok(http) -> None:
 def test_bad_completion_request(http, override, param, phrase):
     r = http.post("/v1/completions", json={**P, **override})
     _check_error(r, 400, param, phrase)
+    _ok(http)
+
+
+@pytest.mark.parametrize("number", ["NaN", "Infinity", "-Infinity"])
+def test_non_finite_numbers_are_refused(http, number):
+    body = json.dumps({**P, "temperature": 0.5}).replace("0.5", number)
+    r = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    _check_error(r, 400, "temperature", "finite")
     _ok(http)
 
 
