@@ -35,10 +35,17 @@ from stepahead.entrypoints.openai.protocol import (
     ModelList,
     TokenizeRequest,
 )
+from stepahead.entrypoints.openai.request_limits import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    BodySizeLimit,
+    Offload,
+    RequestLimits,
+    default_max_sequences,
+)
 from stepahead.entrypoints.openai.server_args import make_parser
-from stepahead.entrypoints.openai.serving_chat import OpenAIServingChat, render_chat
+from stepahead.entrypoints.openai.serving_chat import OpenAIServingChat, message_chars, render_chat
 from stepahead.entrypoints.openai.serving_completions import OpenAIServingCompletion
-from stepahead.entrypoints.openai.serving_utils import ServedModel
+from stepahead.entrypoints.openai.serving_utils import ServedModel, encode_ids
 
 logger = logging.getLogger("stepahead.entrypoints.openai")
 
@@ -61,16 +68,21 @@ class ServerState:
 
 
 def build_app(engine: AsyncLLM, model: ServedModel, api_key: str | None = None,
-              state: ServerState | None = None) -> FastAPI:
+              state: ServerState | None = None, limits: RequestLimits | None = None,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     state = state or ServerState()
+    limits = limits or RequestLimits(model.max_model_len,
+                                     default_max_sequences(engine.config.scheduler_config.max_num_seqs))
     app = FastAPI(title="stepahead", version=stepahead_version())
     install_error_handlers(app)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
     metrics = ServerMetrics(model.name, model.max_model_len, engine.get_stats)
     engine.stats_listeners.append(metrics.record)
-    completions = OpenAIServingCompletion(engine, model)
-    chat = OpenAIServingChat(engine, model)
+    offload = Offload()
+    completions = OpenAIServingCompletion(engine, model, limits, offload)
+    chat = OpenAIServingChat(engine, model, limits, offload)
     app.state.engine, app.state.metrics, app.state.server_state = engine, metrics, state
 
     def accepting(request: Request) -> None:
@@ -111,14 +123,18 @@ def build_app(engine: AsyncLLM, model: ServedModel, api_key: str | None = None,
         model.check(body.model)
         tokenizer = engine.tokenizer
         if body.messages is not None:
-            text = render_chat(tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message, None)
+            limits.check_chars(message_chars(body.messages), "messages")
+            text = await offload.run(render_chat, tokenizer, body.messages, body.add_generation_prompt,
+                                     body.continue_final_message, None)
             add_special = bool(body.add_special_tokens)
         elif body.prompt is not None:
+            limits.check_chars(len(body.prompt), "prompt")
             text = body.prompt
             add_special = True if body.add_special_tokens is None else body.add_special_tokens
         else:
             raise APIError("Either prompt or messages is required", 400, "prompt")
-        tokens = list(tokenizer.encode(text, add_special_tokens=add_special))
+        tokens = await offload.run(encode_ids, tokenizer, text, add_special)
+        limits.check_tokens(len(tokens), "prompt" if body.messages is None else "messages")
         body_out: dict = {"count": len(tokens), "max_model_len": model.max_model_len, "tokens": tokens}
         if body.return_token_strs:
             body_out["token_strs"] = tokenizer.convert_ids_to_tokens(tokens)
@@ -131,7 +147,7 @@ def build_app(engine: AsyncLLM, model: ServedModel, api_key: str | None = None,
         out_of_vocab = [token_id for token_id in body.tokens if not 0 <= token_id < vocab_size]
         if out_of_vocab:
             raise APIError(f"tokens must be token ids in [0, {vocab_size}), got {out_of_vocab[:8]}", 400, "tokens")
-        return JSONResponse({"prompt": engine.tokenizer.decode(body.tokens)})
+        return JSONResponse({"prompt": await offload.run(engine.tokenizer.decode, body.tokens)})
 
     return app
 
@@ -225,7 +241,10 @@ async def run_server(ns: argparse.Namespace) -> int:
         return 1
     state = ServerState()
     model = served_model(engine, ns.served_model_name, engine_args.model)
-    app = build_app(engine, model, api_key, state)
+    limits = RequestLimits(model.max_model_len,
+                           ns.max_sequences_per_request or default_max_sequences(config.scheduler_config.max_num_seqs),
+                           ns.trust_request_chat_template)
+    app = build_app(engine, model, api_key, state, limits, ns.max_request_bytes)
     routes = ", ".join(sorted(route.path for route in app.routes
                               if not route.path.startswith(("/docs", "/redoc", "/openapi"))))
     logger.info("Routes: %s", routes)

@@ -103,6 +103,7 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
     add_special_tokens: bool = False  # the chat template already adds what the model needs
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # refused unless the server trusts request templates
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
 

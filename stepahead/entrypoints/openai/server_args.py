@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 
 from stepahead.entrypoints.engine_flags import add_engine_args
+from stepahead.entrypoints.openai.request_limits import DEFAULT_MAX_REQUEST_BYTES
 
 DESCRIPTION = "OpenAI-compatible HTTP server"
 
@@ -23,6 +24,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--shutdown-timeout", type=float, default=0.0,
                        help="on SIGINT/SIGTERM, drain in-flight requests for up to this many seconds; "
                             "0 aborts them (default: %(default)s)")
+    group.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                       help="larger request bodies get a 413 (default: %(default)s)")
+    group.add_argument("--max-sequences-per-request", type=int, default=None,
+                       help="most sequences (prompts x n) one request may ask for (default: 4 x --max-num-seqs, "
+                            "at least 128)")
+    group.add_argument("--trust-request-chat-template", action="store_true",
+                       help="let requests bring their own chat template (chat_template, or chat_template_kwargs' "
+                            "chat_template); refused by default: a template is code the server runs")
     group.add_argument("--uvicorn-log-level", default="warning",
                        choices=["critical", "error", "warning", "info", "debug", "trace"])
     # Instead of the engine's --trace switch: a file to write the trace to at shutdown.

@@ -20,6 +20,7 @@ from pydantic import BaseModel
 from stepahead.engine.async_llm import AsyncLLM, RequestStream
 from stepahead.engine.input_processor import PromptType
 from stepahead.entrypoints.openai.protocol import SamplingFields
+from stepahead.entrypoints.openai.request_limits import Offload, RequestLimits
 from stepahead.entrypoints.openai.serving_utils import (
     SSE_DONE,
     ServedModel,
@@ -69,9 +70,11 @@ class ResponseContext:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, model: ServedModel) -> None:
+    def __init__(self, engine: AsyncLLM, model: ServedModel, limits: RequestLimits, offload: Offload) -> None:
         self.engine = engine
         self.model = model
+        self.limits = limits
+        self.offload = offload  # tokenizing and chat templates run here, off the event loop
         self.generation_defaults = engine.config.model_config.generation_defaults
 
     def check_request(self, req: SamplingFields) -> str:

@@ -22,7 +22,7 @@ from stepahead.entrypoints.openai.protocol import (
     random_id,
 )
 from stepahead.entrypoints.openai.serving_base import Choice, OpenAIServing, ResponseContext
-from stepahead.entrypoints.openai.serving_utils import clamp, sampling_params_of, token_text
+from stepahead.entrypoints.openai.serving_utils import clamp, encode_ids, sampling_params_of, token_text
 from stepahead.outputs import LOGPROB_FLOOR, Logprob
 from stepahead.sampling_params import MAX_LOGPROBS
 
@@ -31,12 +31,13 @@ NO_TEMPLATE = ("As of transformers v4.44, default chat template is no longer all
 
 
 def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool,
-                template_kwargs: dict | None) -> str:
-    """The prompt text the chat template makes of the messages; 400 on anything it cannot render."""
+                template_kwargs: dict | None, chat_template: str | None = None) -> str:
+    """The prompt text the chat template (the tokenizer's, or chat_template) makes of the messages; 400 on
+    anything it cannot render. CPU work that grows with the input: call it through Offload."""
     if add_generation_prompt and continue_final_message:
         raise APIError("continue_final_message and add_generation_prompt cannot both be true", 400,
                        "continue_final_message")
-    if not getattr(tokenizer, "chat_template", None):
+    if not getattr(tokenizer, "chat_template", None) and chat_template is None:
         raise APIError(NO_TEMPLATE, 400, "messages")
     conversation = []
     for index, message in enumerate(messages):
@@ -44,7 +45,9 @@ def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: b
         if message.name is not None:
             entry["name"] = message.name
         conversation.append(entry)
-    kwargs = dict(template_kwargs or {})
+    kwargs = {k: v for k, v in (template_kwargs or {}).items() if k != "chat_template"}
+    if chat_template is not None:
+        kwargs["chat_template"] = chat_template
     if continue_final_message:
         kwargs["continue_final_message"] = True
     try:
@@ -54,6 +57,29 @@ def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: b
         raise
     except Exception as e:  # noqa: BLE001 - jinja2 errors and ValueErrors are the request's fault
         raise APIError(f"The chat template could not render these messages: {e}", 400, "messages") from e
+
+
+def message_chars(messages: list[ChatMessage]) -> int:
+    """Characters of the messages' text: a cheap bound on the prompt before rendering it."""
+    total = 0
+    for message in messages:
+        if isinstance(message.content, str):
+            total += len(message.content)
+        elif message.content is not None:
+            total += sum(len(part.text or "") for part in message.content)
+    return total
+
+
+def request_template(req: ChatCompletionRequest, trusted: bool) -> str | None:
+    """The chat template the request brings (chat_template or chat_template_kwargs' chat_template), if
+    the server trusts request templates; a 400 if it does not."""
+    template = req.chat_template
+    if template is None and req.chat_template_kwargs:
+        template = req.chat_template_kwargs.get("chat_template")
+    if template is not None and not trusted:
+        raise APIError("chat templates from requests are refused: a template is code the server runs (start it with "
+                       "--trust-request-chat-template to allow them)", 400, "chat_template")
+    return template
 
 
 def _flatten_content(message: ChatMessage, index: int) -> str:
@@ -98,9 +124,13 @@ class OpenAIServingChat(OpenAIServing):
         top_logprobs = self._top_logprobs(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = sampling_params_of(req, max_tokens, top_logprobs, self.generation_defaults)
-        text = render_chat(self.engine.tokenizer, req.messages, req.add_generation_prompt,
-                           req.continue_final_message, req.chat_template_kwargs)
-        prompt_ids = list(self.engine.tokenizer.encode(text, add_special_tokens=req.add_special_tokens))
+        self.limits.check_sequences(1, req.n)
+        self.limits.check_chars(message_chars(req.messages), "messages")
+        template = request_template(req, self.limits.trust_request_chat_template)
+        tokenizer = self.engine.tokenizer
+        text = await self.offload.run(render_chat, tokenizer, req.messages, req.add_generation_prompt,
+                                      req.continue_final_message, req.chat_template_kwargs, template)
+        prompt_ids = await self.offload.run(encode_ids, tokenizer, text, req.add_special_tokens)
         request_id = random_id("chatcmpl")
         stream = self.add_request(req, request_id, {"prompt_token_ids": prompt_ids, "prompt": text}, params)
         ctx = ResponseContext(request_id, model_name, int(time.time()), req, top_logprobs, "chat.completion.chunk")

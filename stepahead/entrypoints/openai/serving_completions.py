@@ -19,7 +19,7 @@ from stepahead.entrypoints.openai.protocol import (
     random_id,
 )
 from stepahead.entrypoints.openai.serving_base import Choice, OpenAIServing, ResponseContext
-from stepahead.entrypoints.openai.serving_utils import clamp, sampling_params_of, token_text
+from stepahead.entrypoints.openai.serving_utils import clamp, encode_ids, sampling_params_of, token_text
 from stepahead.outputs import CompletionOutput, Logprob, RequestOutput
 from stepahead.sampling_params import SamplingParams
 
@@ -64,6 +64,11 @@ class OpenAIServingCompletion(OpenAIServing):
             raise APIError("echo together with logprobs is not supported (no prompt logprobs)", 400, "echo")
         params = sampling_params_of(req, req.max_tokens, req.logprobs, self.generation_defaults)
         prompts = _prompt_list(req)
+        self.limits.check_sequences(len(prompts), req.n)
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                self.limits.check_chars(len(prompt), "prompt")
+        prompts = await self.offload.run(self._tokenize_texts, prompts, req.add_special_tokens)
         request_id = random_id("cmpl")
         ids = [f"{request_id}-{index}" for index in range(len(prompts))]
         stream = self._submit(req, ids, prompts, params)
@@ -76,9 +81,6 @@ class OpenAIServingCompletion(OpenAIServing):
         stream = None
         try:
             for request_id, prompt in zip(ids, prompts, strict=True):
-                if isinstance(prompt, str):
-                    text = prompt
-                    prompt = {"prompt_token_ids": self._encode(prompt, req.add_special_tokens), "prompt": text}
                 stream = self.add_request(req, request_id, prompt, params, stream)
         except BaseException:
             for request_id in stream.request_ids if stream is not None else []:
@@ -86,10 +88,17 @@ class OpenAIServingCompletion(OpenAIServing):
             raise
         return stream
 
-    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        if not text:
-            raise APIError("prompt must not be empty", 400, "prompt")
-        return list(self.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    def _tokenize_texts(self, prompts: list, add_special_tokens: bool) -> list:
+        """Text prompts as {"prompt_token_ids", "prompt"}; token-id prompts as they are. Runs in Offload."""
+        out = []
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                if not prompt:
+                    raise APIError("prompt must not be empty", 400, "prompt")
+                prompt = {"prompt_token_ids": encode_ids(self.engine.tokenizer, prompt, add_special_tokens),
+                          "prompt": prompt}
+            out.append(prompt)
+        return out
 
     # -- hooks of OpenAIServing ----------------------------------------------------------------------
 

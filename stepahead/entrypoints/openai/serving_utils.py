@@ -16,12 +16,15 @@ from starlette.types import Receive, Scope, Send
 
 from stepahead.entrypoints.openai.errors import APIError, error_body, error_from_exception
 from stepahead.entrypoints.openai.protocol import SamplingFields
+from stepahead.entrypoints.openai.request_limits import MAX_N
 from stepahead.outputs import LOGPROB_FLOOR, Logprob
 from stepahead.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("stepahead.entrypoints.openai")
 
-MAX_N = 128  # choices per prompt; each is a full engine request
+
+MAX_LOGGED_FIELD_NAMES = 64
+MAX_FIELD_NAME_CHARS = 64
 
 
 @dataclass
@@ -44,12 +47,19 @@ class ServedModel:
         return requested
 
     def log_ignored_fields(self, req: Any) -> None:
-        """Unknown request fields are accepted; say so once per field name."""
+        """Unknown request fields are accepted; say so once per field name, for the first
+        MAX_LOGGED_FIELD_NAMES names (cut to MAX_FIELD_NAME_CHARS): a client sending endless new names
+        must not grow the server's memory or its log."""
         extra = getattr(req, "model_extra", None) or {}
-        new = sorted(k for k in extra if k not in self._logged_ignored)
+        room = MAX_LOGGED_FIELD_NAMES - len(self._logged_ignored)
+        if not extra or room <= 0:
+            return
+        new = sorted({name[:MAX_FIELD_NAME_CHARS] for name in extra} - self._logged_ignored)[:room]
         if new:
             self._logged_ignored.update(new)
-            logger.warning("The following fields were present in the request but ignored: %s", new)
+            full = " (no more ignored field names will be logged)" if len(self._logged_ignored) >= \
+                MAX_LOGGED_FIELD_NAMES else ""
+            logger.warning("The following fields were present in the request but ignored: %s%s", new, full)
 
 
 def reject_unsupported(req: SamplingFields) -> None:
@@ -206,3 +216,8 @@ async def _wait_disconnect(raw_request: Request) -> None:
         message = await raw_request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+def encode_ids(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    """Token ids of text. CPU work that grows with the input: call it through Offload."""
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))

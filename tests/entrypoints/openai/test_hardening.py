@@ -1,0 +1,106 @@
+"""No single request can stall, starve or exhaust the server: cheap refusals before heavy work, heavy
+work off the event loop, bounded logging of unknown fields, client chat templates only when trusted."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.entrypoints.openai.conftest import MODEL_NAME
+from tests.entrypoints.openai.server_utils import RemoteServer
+from tests.entrypoints.openai.test_errors import _check_error
+
+COMPLETION = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 16, "ignore_eos": True}
+NESTED_LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}"
+CONTEXT = 512  # the tiny model's
+# (endpoint, body, expected status, param) sent by a hostile client.
+HOSTILE = [
+    ("/v1/completions", {**COMPLETION, "prompt": "a" * (10 << 20)}, 400, "prompt"),  # 10 MiB: refused untokenized
+    ("/v1/completions", {**COMPLETION, "prompt": "word " * 6000}, 400, None),  # tokenized off the loop; too long
+    ("/tokenize", {"model": MODEL_NAME, "prompt": "word " * 6000}, 400, "prompt"),
+    ("/v1/completions", {**COMPLETION, "prompt": ["hello"] * 400, "n": 128}, 400, "n"),
+    ("/v1/chat/completions", {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}],
+                              "chat_template_kwargs": {"chat_template": NESTED_LOOPS}}, 400, "chat_template"),
+    ("/v1/chat/completions", {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}],
+                              "chat_template": NESTED_LOOPS}, 400, "chat_template"),
+]
+
+
+@pytest.mark.parametrize("endpoint,body,status,param", HOSTILE, ids=[f"{e}-{i}" for i, (e, *_) in enumerate(HOSTILE)])
+def test_hostile_request_is_refused_while_the_server_keeps_serving(server, http, endpoint, body, status, param):
+    result: dict = {}
+
+    def hostile() -> None:
+        result["response"] = httpx.post(server.url + endpoint, json=body, timeout=120)
+
+    thread = threading.Thread(target=hostile)
+    thread.start()
+    health_s, completion_s = [], []
+    while thread.is_alive() or not health_s:
+        started = time.monotonic()
+        assert http.get("/health").status_code == 200
+        health_s.append(time.monotonic() - started)
+        started = time.monotonic()
+        assert http.post("/v1/completions", json=COMPLETION).status_code == 200
+        completion_s.append(time.monotonic() - started)
+    thread.join()
+    _check_error(result["response"], status, param)
+    # Generous bounds: they check that the event loop stayed free, not speed.
+    assert max(health_s) < 1.0 and max(completion_s) < 5.0, (health_s, completion_s)
+
+
+def test_body_over_the_limit_is_413(server):
+    huge = b'{"prompt": "' + b"a" * (17 << 20) + b'"}'
+    r = httpx.post(server.url + "/v1/completions", content=huge, headers={"content-type": "application/json"},
+                   timeout=120)
+    _check_error(r, 413, None, "larger than")
+
+    def chunks():  # no content-length: counted as it arrives
+        yield b'{"prompt": "'
+        for _ in range(17):
+            yield b"a" * (1 << 20)
+        yield b'"}'
+
+    r = httpx.post(server.url + "/v1/completions", content=chunks(), headers={"content-type": "application/json"},
+                   timeout=120)
+    _check_error(r, 413, None, "larger than")
+
+
+def _rss_mb(pid: int) -> float:
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    return int(fields["VmRSS"].split()[0]) / 1024
+
+
+def test_unique_unknown_fields_keep_memory_and_log_flat(server, http):
+    def send(round_: int) -> None:
+        extra = {f"unknown_{round_}_{i}_{'x' * 40}": 1 for i in range(20000)}
+        r = http.post("/v1/completions", json={**COMPLETION, "max_tokens": 1, **extra})
+        assert r.status_code == 200, r.text
+
+    send(-1)  # settle allocator pools first
+    before = _rss_mb(server.proc.pid)
+    for round_ in range(10):
+        send(round_)
+    growth = _rss_mb(server.proc.pid) - before
+    assert growth < 20, f"API server RSS grew {growth:.1f} MB"
+    lines = [line for line in server.lines if "present in the request but ignored" in line]
+    assert sum(len(line) for line in lines) < 20000  # bounded: 64 names of at most 64 characters, in all
+
+
+def test_trusted_request_template_renders_off_the_loop(tiny_llama):
+    srv = RemoteServer(tiny_llama, "--served-model-name", MODEL_NAME, "--num-kv-blocks", "64", "--executor", "uni",
+                       "--trust-request-chat-template")
+    try:
+        body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 2,
+                "chat_template": "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"}
+        r = httpx.post(srv.url + "/tokenize", json={"model": MODEL_NAME, "prompt": "<<hello there>>"}, timeout=60)
+        expected = r.json()["count"]
+        r = httpx.post(srv.base_url + "/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == expected
+    finally:
+        srv.stop()
