@@ -25,7 +25,12 @@ from fastapi.responses import JSONResponse, Response
 
 from stepahead.engine.async_llm import AsyncLLM
 from stepahead.entrypoints.engine_flags import engine_args_from_namespace
-from stepahead.entrypoints.openai.errors import APIError, APIKeyMiddleware, install_error_handlers
+from stepahead.entrypoints.openai.errors import (
+    APIError,
+    APIKeyMiddleware,
+    document_errors,
+    install_error_handlers,
+)
 from stepahead.entrypoints.openai.metrics import ServerMetrics, log_stats_periodically
 from stepahead.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -75,6 +80,7 @@ def build_app(engine: AsyncLLM, model: ServedModel, api_key: str | None = None,
                                      default_max_sequences(engine.config.scheduler_config.max_num_seqs))
     app = FastAPI(title="stepahead", version=stepahead_version())
     install_error_handlers(app)
+    document_errors(app)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
@@ -154,8 +160,9 @@ def build_app(engine: AsyncLLM, model: ServedModel, api_key: str | None = None,
 
 def served_model(engine: AsyncLLM, requested_name: str | None, model_arg: str | None) -> ServedModel:
     model_config = engine.model_config
-    name = (requested_name or model_config.served_model_name or model_arg
-            or Path(model_config.model).name.removesuffix(".gguf"))
+    # The folder's or file's base name by default (the full path stays in the log and in /v1/models' root).
+    name = requested_name or model_config.served_model_name or Path(model_arg or model_config.model).name
+    name = name.removesuffix(".gguf")
     return ServedModel(names=[name], root=model_config.model, max_model_len=model_config.max_model_len)
 
 

@@ -101,7 +101,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(str(exc.detail), exc.status_code)
+        response = error_response(str(exc.detail), exc.status_code)
+        response.headers.update(exc.headers or {})  # e.g. Allow on a 405
+        return response
 
     @app.exception_handler(APIError)
     async def _api(request: Request, exc: APIError) -> JSONResponse:
@@ -149,3 +151,42 @@ class APIKeyMiddleware:
 
 def _is_v1(path: str) -> bool:
     return path == "/v1" or path.startswith("/v1/")
+
+
+_ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "param", "code"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                   "param": {"type": ["string", "null"]}, "code": {"type": "integer"}}}}}
+_ERROR_STATUSES = {"400": "Bad request", "401": "Missing or wrong API key", "404": "Unknown model",
+                   "413": "Request body too large", "500": "Engine failure", "503": "Shutting down or engine dead"}
+_PLAIN_TEXT = {"/health": "Empty body: 200 while the engine is alive, 503 once it is dead",
+               "/metrics": "Prometheus text exposition format"}
+
+
+def document_errors(app: FastAPI) -> None:
+    """An OpenAPI schema that tells the truth: FastAPI documents request validation failures as 422,
+    which this server answers with 400 and an OpenAI-shaped body; every POST endpoint documents the
+    error statuses it can answer, and /health and /metrics their plain-text bodies."""
+    from fastapi.openapi.utils import get_openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            error = {"content": {"application/json": {"schema": _ERROR_SCHEMA}}}
+            for path, operations in schema.get("paths", {}).items():
+                for method, operation in operations.items():
+                    responses = operation.setdefault("responses", {})
+                    responses.pop("422", None)
+                    if method == "post":
+                        for status, description in _ERROR_STATUSES.items():
+                            responses[status] = {"description": description, **error}
+                    if path in _PLAIN_TEXT:
+                        responses["200"] = {"description": _PLAIN_TEXT[path], "content": {"text/plain": {}}}
+                        if path == "/health":
+                            responses["503"] = {"description": "The engine is dead", "content": {"text/plain": {}}}
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi

@@ -104,3 +104,28 @@ def test_trusted_request_template_renders_off_the_loop(tiny_llama):
         assert r.json()["usage"]["prompt_tokens"] == expected
     finally:
         srv.stop()
+
+
+def test_openapi_documents_what_the_server_answers(http):
+    schema = http.get("/openapi.json").json()
+    for path, operations in schema["paths"].items():
+        for method, operation in operations.items():
+            assert "422" not in operation["responses"], (path, method)
+            if method == "post":
+                assert {"400", "404", "413", "503"} <= set(operation["responses"]), (path, method)
+    assert "text/plain" in schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+
+
+def test_405_says_which_methods_are_allowed(http):
+    r = http.get("/v1/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    assert r.json()["error"]["code"] == 405
+
+
+def test_served_model_name_defaults_to_the_folder_name(tiny_llama):
+    srv = RemoteServer(tiny_llama, "--num-kv-blocks", "64", "--executor", "uni")
+    try:
+        models = httpx.get(srv.base_url + "/models", timeout=30).json()["data"]
+        assert [m["id"] for m in models] == [Path(tiny_llama).name] and models[0]["root"] == str(tiny_llama)
+    finally:
+        srv.stop()
