@@ -101,7 +101,7 @@ def build_app(engine: AsyncLLM, model: ServedModel, api_key: str | None = None,
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=503 if engine.is_dead else 200)
+        return Response(status_code=503 if engine.is_dead else 200, media_type="text/plain")
 
     @app.get("/version")
     async def version() -> dict:
