@@ -86,7 +86,7 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     parts, param = [], None
     for err in exc.errors():
         loc = [str(part) for part in err.get("loc", ()) if part != "body"]
-        if param is None and loc:
+        if param is None and loc and not loc[0].isdigit():  # a JSON decode error's loc is a character offset
             param = loc[0]
         where = ".".join(loc)
         parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))

@@ -30,6 +30,11 @@ NO_TEMPLATE = ("As of transformers v4.44, default chat template is no longer all
                "chat template if the tokenizer does not define one.")
 
 
+# Arguments render_chat passes to apply_chat_template itself.
+RESERVED_TEMPLATE_KWARGS = {"conversation", "tokenize", "add_generation_prompt", "continue_final_message",
+                            "return_dict", "return_tensors"}
+
+
 def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool,
                 template_kwargs: dict | None, chat_template: str | None = None) -> str:
     """The prompt text the chat template (the tokenizer's, or chat_template) makes of the messages; 400 on
@@ -45,6 +50,9 @@ def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: b
         if message.name is not None:
             entry["name"] = message.name
         conversation.append(entry)
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(template_kwargs or {}))
+    if reserved:
+        raise APIError(f"chat_template_kwargs may not set {reserved}: the server sets them", 400, "chat_template_kwargs")
     kwargs = {k: v for k, v in (template_kwargs or {}).items() if k != "chat_template"}
     if chat_template is not None:
         kwargs["chat_template"] = chat_template

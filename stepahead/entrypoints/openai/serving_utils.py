@@ -220,4 +220,9 @@ async def _wait_disconnect(raw_request: Request) -> None:
 
 def encode_ids(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
     """Token ids of text. CPU work that grows with the input: call it through Offload."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(f"the text is not valid Unicode (a lone surrogate at character {e.start})", 400,
+                       "prompt") from None
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))

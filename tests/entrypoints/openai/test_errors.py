@@ -92,6 +92,18 @@ def test_bad_completion_request(http, override, param, phrase):
     _ok(http)
 
 
+def test_wording_of_odd_inputs(http):
+    r = http.post("/v1/completions", content=b'{"prompt": "\\ud800 lone"}',
+                  headers={"content-type": "application/json"})
+    _check_error(r, 400, "prompt", "lone surrogate")
+    r = http.post("/v1/completions", content=b'{"prompt": ', headers={"content-type": "application/json"})
+    assert _check_error(r, 400)["param"] is None  # not the character offset of the JSON error
+    r = http.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}],
+                                                "chat_template_kwargs": {"tokenize": True}})
+    _check_error(r, 400, "chat_template_kwargs", "may not set ['tokenize']")
+    _ok(http)
+
+
 @pytest.mark.parametrize("number", ["NaN", "Infinity", "-Infinity"])
 def test_non_finite_numbers_are_refused(http, number):
     body = json.dumps({**P, "temperature": 0.5}).replace("0.5", number)
