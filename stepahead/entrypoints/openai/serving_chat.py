@@ -23,6 +23,7 @@ from stepahead.entrypoints.openai.protocol import (
 )
 from stepahead.entrypoints.openai.serving_base import Choice, OpenAIServing, ResponseContext
 from stepahead.entrypoints.openai.serving_utils import clamp, encode_ids, sampling_params_of, token_text
+from stepahead.entrypoints.openai.token_bytes import TokenBytes
 from stepahead.outputs import LOGPROB_FLOOR, Logprob
 from stepahead.sampling_params import MAX_LOGPROBS
 
@@ -104,7 +105,8 @@ def _flatten_content(message: ChatMessage, index: int) -> str:
     return "\n".join(texts)
 
 
-def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], top_n: int, decode) -> ChatLogprobs:
+def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], top_n: int, decode,
+                  raw_bytes: TokenBytes) -> ChatLogprobs:
     content = []
     for token_id, entry in zip(token_ids, entries, strict=False):
         sampled = entry.get(token_id)
@@ -113,9 +115,9 @@ def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], top_n
         for other_id, other in sorted(entry.items(), key=lambda kv: kv[1].rank):
             if other.rank <= top_n and len(top) < top_n:
                 text = token_text(other_id, other, decode)
-                top.append(TopLogprob(token=text, logprob=clamp(other.logprob), bytes=list(text.encode())))
+                top.append(TopLogprob(token=text, logprob=clamp(other.logprob), bytes=list(raw_bytes(other_id))))
         content.append(ChatTokenLogprob(token=token, logprob=clamp(sampled.logprob) if sampled else LOGPROB_FLOOR,
-                                        bytes=list(token.encode()), top_logprobs=top))
+                                        bytes=list(raw_bytes(token_id)), top_logprobs=top))
     return ChatLogprobs(content=content)
 
 
@@ -125,6 +127,10 @@ class _ChatChoice(Choice):
 
 
 class OpenAIServingChat(OpenAIServing):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.token_bytes = TokenBytes(self.engine.tokenizer)
+
     async def create(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
         model_name = self.check_request(req)
         if req.tools:
@@ -168,7 +174,7 @@ class OpenAIServingChat(OpenAIServing):
 
     def logprobs_of(self, ctx: ResponseContext, choice: Choice, token_ids: list[int],
                     entries: list[dict[int, Logprob]]) -> ChatLogprobs:
-        return chat_logprobs(token_ids, entries, ctx.top_logprobs, self.engine.tokenizer.decode)
+        return chat_logprobs(token_ids, entries, ctx.top_logprobs, self.engine.tokenizer.decode, self.token_bytes)
 
     def keep_logprobs(self, choice: _ChatChoice, logprobs: ChatLogprobs) -> None:
         choice.logprobs.extend(logprobs.content or [])

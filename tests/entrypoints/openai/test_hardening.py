@@ -129,3 +129,25 @@ def test_served_model_name_defaults_to_the_folder_name(tiny_llama):
         assert [m["id"] for m in models] == [Path(tiny_llama).name] and models[0]["root"] == str(tiny_llama)
     finally:
         srv.stop()
+
+
+def test_logprob_bytes_are_each_tokens_raw_bytes(http):
+    """Joined, the tokens' bytes are the reply's UTF-8, even where a token holds part of a character."""
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "héllo wörld ✓ 日本"}], "max_tokens": 24,
+            "temperature": 1.0, "seed": 7, "logprobs": True, "top_logprobs": 2}
+    reply = http.post("/v1/chat/completions", json=body).json()
+    content = reply["choices"][0]["message"]["content"]
+    tokens = reply["choices"][0]["logprobs"]["content"]
+    joined = b"".join(bytes(t["bytes"]) for t in tokens)
+    assert joined.decode("utf-8", errors="replace") == content
+    assert all(isinstance(top["bytes"], list) for t in tokens for top in t["top_logprobs"])
+
+
+def test_token_bytes_of_the_builtin_tokenizer():
+    from stepahead.entrypoints.openai.token_bytes import TokenBytes
+    from stepahead.models.loader import load_model_config, load_tokenizer
+
+    tokenizer = load_tokenizer(load_model_config(None, "cpu"))
+    raw = TokenBytes(tokenizer)
+    text = "Ünïcode ✓ 日本語 and plain words"
+    assert b"".join(raw(i) for i in tokenizer.encode(text, add_special_tokens=False)).decode() == text
