@@ -91,7 +91,7 @@ def test_generation_config_defaults_on_the_server(model_with_defaults):
         server = RemoteServer(model_with_defaults, "--num-kv-blocks", "64", "--executor", "uni",
                               "--generation-config", mode)
         try:
-            body = {"model": str(model_with_defaults), "prompt": "hello world", "ignore_eos": True}
+            body = {"model": model_with_defaults.name, "prompt": "hello world", "ignore_eos": True}
             if mode == "vllm":
                 body["max_tokens"] = 2
             runs = [httpx.post(server.base_url + "/completions", json=body, timeout=60).json() for _ in range(2)]
