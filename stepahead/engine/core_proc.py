@@ -4,7 +4,8 @@
     main thread:   step while the core has work, else block on the queue; send each step's outputs
 
 Everything the core is told goes through one queue, in arrival order, and is applied between steps,
-so an abort can never overtake the add it refers to. The process ignores SIGINT (a Ctrl-C in the
+so an abort can never overtake the add it refers to. The mp executor also puts a _WorkerFailed there
+when its worker dies, so an idle engine fails (EngineFailed, exit) instead of waiting for a request. The process ignores SIGINT (a Ctrl-C in the
 terminal reaches the whole process group; the API server decides how to shut down and tells us),
 exits on SIGTERM, and dies with its parent.
 """
@@ -20,6 +21,7 @@ import signal
 import sys
 import threading
 import traceback
+from dataclasses import dataclass
 
 import zmq
 
@@ -28,12 +30,20 @@ from stepahead.core.sched_output import EngineCoreOutput
 from stepahead.engine import messages
 from stepahead.engine.chrome_trace import write_trace
 from stepahead.engine.core import EngineCore
+from stepahead.executor.abstract import WorkerError
 from stepahead.tracing import TraceEvent
 
 logger = logging.getLogger("stepahead.engine.core_proc")
 
 _PR_SET_PDEATHSIG = 1
 EXIT_ENGINE_FAILED = 3
+
+
+@dataclass
+class _WorkerFailed:
+    """Put in the input queue by the executor's reader thread when the worker dies."""
+
+    error: RuntimeError
 
 
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, parent_pid: int,
@@ -65,6 +75,7 @@ class _Outbox:
 
 def _serve(config: EngineConfig, ctx: zmq.Context, input_addr: str, outbox: _Outbox, trace_path: str | None) -> int:
     from stepahead.executor import make_executor
+    from stepahead.executor.mp import MultiprocExecutor
 
     try:
         executor = make_executor(config)
@@ -80,6 +91,8 @@ def _serve(config: EngineConfig, ctx: zmq.Context, input_addr: str, outbox: _Out
     in_sock.setsockopt(zmq.LINGER, 0)
     in_sock.bind(input_addr)  # before "ready"; the reader thread owns the socket from here on
     inbox: queue.Queue = queue.Queue()
+    if isinstance(executor, MultiprocExecutor):
+        executor.notify_on_failure(lambda error: inbox.put(_WorkerFailed(error)))
     reader = threading.Thread(target=_read_inputs, args=(in_sock, inbox),
                               name="stepahead-engine-input", daemon=True)
     reader.start()
@@ -90,7 +103,8 @@ def _serve(config: EngineConfig, ctx: zmq.Context, input_addr: str, outbox: _Out
     except SystemExit:
         pass  # SIGTERM: shut down below
     except BaseException as e:  # noqa: BLE001 - engine death: tell the API process, then exit
-        logger.error("EngineCore failed: %s", _describe(e))
+        # A dead worker (the idle path raises its WorkerError as is) needs no traceback of ours.
+        logger.error("EngineCore failed: %s", e if isinstance(e, WorkerError) else _describe(e))
         with contextlib.suppress(zmq.ZMQError):
             # EngineDeadError carries one "error" output per unfinished request: deliver them first.
             error_outputs = getattr(e, "outputs", None)
@@ -126,9 +140,13 @@ def _busy_loop(core: EngineCore, inbox: queue.Queue, outbox: _Outbox, trace_even
             outbox.send(messages.EngineOutputs(outputs, core.get_stats()))
 
 
-def _apply(core: EngineCore, msg: messages.EngineInput, outbox: _Outbox) -> bool:
+def _apply(core: EngineCore, msg: messages.EngineInput | _WorkerFailed, outbox: _Outbox) -> bool:
     """Apply one input message; False means shut down."""
-    if isinstance(msg, messages.AddRequests):
+    if isinstance(msg, _WorkerFailed):
+        if not core.has_work():
+            raise msg.error
+        # Otherwise the next step fails on the dead worker and finishes every request with "error".
+    elif isinstance(msg, messages.AddRequests):
         rejected = []
         for engine_request in msg.requests:
             try:

@@ -5,7 +5,8 @@ measured on a 2-core machine with 1 torch thread, a worker process hid the bookk
 (1.27-1.49x the sequential speed at batch 1-16), while a worker thread was often slower than no
 overlap at all (see uni.py). Calls go down one pipe in order; a reader thread takes the results off
 the other pipe and resolves the oldest pending futures with them. The reader also watches the process
-sentinel, so a worker that dies resolves every pending future with an error instead of a hang.
+sentinel, so a worker that dies resolves every pending future with an error instead of a hang, and
+calls the notify_on_failure callback, so an engine with no call pending (idle) learns of it too.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from multiprocessing.connection import wait
 from typing import Any
@@ -44,6 +46,8 @@ class MultiprocExecutor(Executor):
         worker_results.close()
         self._send_lock = threading.Lock()
         self._pending = PendingCalls()
+        self._on_failure: Callable[[RuntimeError], None] | None = None
+        self._failure_lock = threading.Lock()
         try:
             self._wait_ready()
         except BaseException:
@@ -69,6 +73,18 @@ class MultiprocExecutor(Executor):
     @property
     def worker_pid(self) -> int | None:
         return self._proc.pid
+
+    def notify_on_failure(self, callback: Callable[[RuntimeError], None]) -> None:
+        """Call callback(error) once when the worker fails or dies (from the reader thread, or now if it has).
+
+        Not called for a worker stopped by shutdown(). Pending futures fail either way; this is for a
+        caller that has none, such as an idle engine blocked on its own input queue.
+        """
+        with self._failure_lock:
+            self._on_failure = callback
+            error = self._pending.error
+        if error is not None:
+            self._notify_failure(error)
 
     def shutdown(self) -> None:
         if not self._pending.close():
@@ -129,14 +145,24 @@ class MultiprocExecutor(Executor):
                     self._pending.resolve_oldest(payload)
                     continue
                 if kind == "error":
-                    self._pending.fail(WorkerError(f"stepahead worker process failed: {payload}"))
+                    self._fail(WorkerError(f"stepahead worker process failed: {payload}"))
                     return
             # The pipe closed or the process is gone; results it sent before dying were read above.
             if self._pending.closed:
                 return
             self._proc.join(timeout=_SHUTDOWN_GRACE_S)
-            self._pending.fail(WorkerError(self._death_message()))
+            self._fail(WorkerError(self._death_message()))
             return
+
+    def _fail(self, error: WorkerError) -> None:
+        self._pending.fail(error)
+        self._notify_failure(self._pending.error or error)
+
+    def _notify_failure(self, error: RuntimeError) -> None:
+        with self._failure_lock:  # taking the callback under the lock makes it one call, whoever gets here first
+            callback, self._on_failure = self._on_failure, None
+        if callback is not None:
+            callback(error)
 
     def _death_message(self) -> str:
         return f"stepahead worker process (pid {self._proc.pid}) died unexpectedly ({_exit_text(self._proc.exitcode)})"

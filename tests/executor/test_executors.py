@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -150,6 +151,30 @@ def test_killed_worker_resolves_pending_futures(tiny_llama):
     finally:
         executor.shutdown()
     assert not _pid_alive(pid)
+
+
+def test_idle_worker_death_is_reported_once(tiny_llama):
+    """With no call pending, a killed worker still reaches the notify_on_failure callback, once; a callback
+    registered after the death is called at once; a shutdown is no failure."""
+    executor = MultiprocExecutor(_config(tiny_llama, "mp"))
+    pid = executor.worker_pid
+    try:
+        reports: queue.Queue = queue.Queue()
+        executor.notify_on_failure(reports.put)
+        os.kill(pid, signal.SIGKILL)
+        err = reports.get(timeout=60)
+        assert isinstance(err, WorkerError) and "killed by signal 9" in str(err)
+        late: queue.Queue = queue.Queue()
+        executor.notify_on_failure(late.put)
+        assert late.get_nowait() is err
+        assert reports.empty()
+    finally:
+        executor.shutdown()
+    executor = MultiprocExecutor(_config(tiny_llama, "mp"))
+    reports = queue.Queue()
+    executor.notify_on_failure(reports.put)
+    executor.shutdown()
+    assert reports.empty()
 
 
 def test_shutdown_leaves_no_process_and_is_idempotent(tiny_llama):

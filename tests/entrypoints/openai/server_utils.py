@@ -117,13 +117,23 @@ def alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
+def _spawned(pids: list[int]) -> list[int]:
+    """The multiprocessing-spawned processes among pids, resource trackers left out."""
+    return [pid for pid in pids if "spawn_main" in (line := cmdline(pid)) and "resource_tracker" not in line]
+
+
+def engine_pid(server: RemoteServer) -> int:
+    """The engine-core process: the server's spawned child."""
+    for pid in _spawned(children(server.proc.pid)):
+        return pid
+    raise AssertionError(f"no engine process under server {server.proc.pid}")
+
+
 def worker_pid(server: RemoteServer) -> int:
     """The model worker: the spawned grandchild (engine process -> worker), not a resource tracker."""
     for engine in children(server.proc.pid):
-        for pid in children(engine):
-            line = cmdline(pid)
-            if "spawn_main" in line and "resource_tracker" not in line:
-                return pid
+        for pid in _spawned(children(engine)):
+            return pid
     raise AssertionError(f"no worker process under server {server.proc.pid}")
 
 

@@ -1,4 +1,4 @@
-"""Servers of their own: API key, worker death mid-stream, graceful shutdown with no orphan processes."""
+"""Servers of their own: API key, worker or engine death (mid-stream and idle), shutdown with no orphan processes."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import threading
+import time
 
 import httpx
 import openai
@@ -14,7 +15,13 @@ import pytest
 from stepahead.entrypoints.openai.api_server import resolve_api_key
 from stepahead.entrypoints.openai.server_args import make_parser
 from tests.entrypoints.openai.conftest import MODEL_NAME, SERVER_ARGS
-from tests.entrypoints.openai.server_utils import RemoteServer, alive, wait_until, worker_pid
+from tests.entrypoints.openai.server_utils import (
+    RemoteServer,
+    alive,
+    engine_pid,
+    wait_until,
+    worker_pid,
+)
 
 LONG = {"model": MODEL_NAME, "prompt": "def main():", "max_tokens": 480, "ignore_eos": True, "stream": True}
 
@@ -34,6 +41,13 @@ def _stream_events(url: str, body: dict, on_event=None, headers=None) -> list[st
 
 def _no_orphans(pids: list[int]) -> bool:
     return not any(alive(p) for p in pids)
+
+
+def _health(url: str) -> int | None:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code
+    except httpx.HTTPError:
+        return None  # the server is gone
 
 
 def test_api_key_env_var():
@@ -138,3 +152,21 @@ def test_sigterm_drains_in_flight_requests(tiny_llama, tmp_path):
         assert {"schedule", "update_from_output"} <= names
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("victim", ["worker", "engine"])
+def test_process_death_while_idle(tiny_llama, victim):
+    """A worker or engine process killed while no request runs: /health is 503 within 5 s, the server exits 1."""
+    srv = RemoteServer(tiny_llama, *SERVER_ARGS)
+    try:
+        pids = srv.process_tree()
+        os.kill(worker_pid(srv) if victim == "worker" else engine_pid(srv), signal.SIGKILL)
+        killed = time.monotonic()
+        assert wait_until(lambda: _health(srv.url) == 503, timeout=5, interval=0.05), srv.log
+        print(f"/health 503 {time.monotonic() - killed:.2f} s after killing the {victim}")
+        assert srv.proc.wait(timeout=30) == 1
+        assert "The engine is dead" in srv.log
+        assert wait_until(lambda: _no_orphans(pids), timeout=30), [p for p in pids if alive(p)]
+    finally:
+        srv.stop()
+
