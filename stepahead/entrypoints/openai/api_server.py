@@ -192,8 +192,10 @@ class _Server(uvicorn.Server):
             logger.info("Shutting down: draining %d in-flight request(s) for up to %.0f s", in_flight,
                         self._shutdown_timeout)
         else:
+            # An APIError, not a RuntimeError: each cut request answers a clean 503 (an error event if
+            # streamed) instead of a 500 with a traceback in the log.
             logger.info("Shutting down: aborting %d in-flight request(s)", in_flight)
-            self._engine.abort_all(RuntimeError("The server is shutting down"))
+            self._engine.abort_all(APIError("The server is shutting down", 503))
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

@@ -1,8 +1,9 @@
 """OpenAI-shaped errors: {"error": {"message", "type", "param", "code"}}, and the API-key middleware.
 
 Every validation failure is a 400 (FastAPI's default 422 is overridden, non-JSON bodies included),
-an unknown model a 404, engine failures a 500. A missing or wrong API key on /v1/* is a 401 with
-the plain body {"error": "Unauthorized"} that OpenAI clients expect.
+an unknown model a 404, engine failures a 500, requests refused or cut by a shutdown a 503. A
+missing or wrong API key on /v1/* is a 401 with the plain body {"error": "Unauthorized"} that
+OpenAI clients expect.
 """
 
 from __future__ import annotations

@@ -19,6 +19,8 @@ from tests.entrypoints.openai.server_utils import (
     RemoteServer,
     alive,
     engine_pid,
+    metric,
+    parse_metrics,
     wait_until,
     worker_pid,
 )
@@ -170,3 +172,41 @@ def test_process_death_while_idle(tiny_llama, victim):
     finally:
         srv.stop()
 
+
+
+def test_sigterm_cuts_in_flight_requests_with_503(tiny_llama):
+    """--shutdown-timeout 0: cut requests get a clean 503 (streams an error event), and no traceback is logged."""
+    srv = RemoteServer(tiny_llama, *SERVER_ARGS)
+    try:
+        body = {**LONG, "stream": False}
+        replies: list[httpx.Response] = []
+        streamed: dict = {}
+
+        def post() -> None:
+            replies.append(httpx.post(srv.url + "/v1/completions", json=body, timeout=120))
+
+        def stream() -> None:
+            streamed["events"] = _stream_events(srv.url, LONG)
+
+        threads = [threading.Thread(target=post) for _ in range(3)] + [threading.Thread(target=stream)]
+        for t in threads:
+            t.start()
+
+        def all_running() -> bool:
+            return metric(parse_metrics(httpx.get(srv.url + "/metrics").text), "stepahead:num_requests_running") == 4
+
+        assert wait_until(all_running, timeout=120)
+        assert srv.stop(signal.SIGTERM) == 0
+        for t in threads:
+            t.join(60)
+        assert len(replies) == 3
+        for r in replies:
+            assert r.status_code == 503, r.text
+            assert r.json() == {"error": {"message": "The server is shutting down", "type": "ServiceUnavailableError",
+                                          "param": None, "code": 503}}
+        events = streamed["events"]
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["error"]["code"] == 503
+        assert "Traceback" not in srv.log and "Internal server error" not in srv.log, srv.log
+    finally:
+        srv.stop()
