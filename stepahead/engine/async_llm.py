@@ -206,7 +206,9 @@ class AsyncLLM:
         every unfinished request of the stream.
         """
         try:
-            while stream.unfinished:
+            # Also drain the queue: abort_all empties `unfinished` and then queues its reason, which a
+            # consumer resuming from a yield must still see.
+            while stream.unfinished or not stream.queue.empty():
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item

@@ -163,7 +163,7 @@ SSE_DONE = "data: [DONE]\n\n"
 
 def sse_error(e: BaseException) -> str:
     err = error_from_exception(e)
-    if err.status >= 500:
+    if err.status >= 500 and err.status != 503:  # a shutdown cutting streams is logged once, by the server
         logger.error("Streaming request failed: %s", err.message)
     return sse(error_body(err.message, err.status, err.param))
 
