@@ -12,10 +12,35 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from stepahead.attention.paged_cache import PagedKVCache
+from stepahead.attention.rows import BatchRow
+from stepahead.config import EngineConfig
+from stepahead.sampling_params import SamplingParams
+from stepahead.utils import cdiv
+from stepahead.worker.sampler import sample
+from stepahead.worker.sampling_metadata import RowSampling, SamplingMetadata
+from stepahead.worker.staging import StagingBuffer
 
 logger = logging.getLogger(__name__)
 
 GiB = 2**30
+
+
+class ProfiledRunner(Protocol):
+    """What profiling needs of the ModelRunner (which imports this module)."""
+
+    config: EngineConfig
+    device: torch.device
+    block_size: int
+    staging: StagingBuffer
+    attention_backend: Any
+    model: Any
+
+    def new_kv_cache(self, num_blocks: int) -> PagedKVCache: ...
 
 
 @dataclass(frozen=True)
@@ -46,8 +71,6 @@ def describe(profile: MemoryProfile, gpu_memory_utilization: float, num_blocks: 
 
 def peak_bytes(run) -> int:
     """The device memory `run()` allocates at its peak beyond what was allocated before it."""
-    import torch
-
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -56,3 +79,54 @@ def peak_bytes(run) -> int:
     peak = torch.cuda.max_memory_allocated() - base
     torch.cuda.empty_cache()
     return peak
+
+
+def blocks_from_memory(runner: ProfiledRunner, gpu_memory_utilization: float, max_blocks_per_seq: int) -> int:
+    """The KV pool size (blocks) that fits gpu_memory_utilization of the device, after profiling."""
+    sched = runner.config.scheduler_config
+    # The largest step: max_num_batched_tokens of prefill, in rows no longer than max_model_len.
+    largest_step = peak_bytes(
+        lambda: dummy_step(runner, sched.max_num_batched_tokens, cdiv(sched.max_num_batched_tokens, sched.max_model_len)))
+    graphs = 0
+    if runner.config.attention_backend == "triton" and not runner.config.enforce_eager:
+        graphs = peak_bytes(lambda: dummy_step(runner, sched.max_num_seqs, sched.max_num_seqs))
+    # Measured after the profiling steps, so what they loaded outside torch's allocator (cuBLAS
+    # workspaces, kernel images, Triton modules) counts as held.
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    profile = MemoryProfile(total, total - free, largest_step, graphs)
+    bytes_per_block = runner.block_size * runner.config.model_config.kv_bytes_per_token()
+    num_blocks = kv_pool_blocks(profile, gpu_memory_utilization, bytes_per_block,
+                                runner.config.cache_config.num_blocks)
+    if num_blocks - 1 < max_blocks_per_seq:
+        raise ValueError(
+            f"gpu_memory_utilization {gpu_memory_utilization} leaves room for {max(0, num_blocks - 1)} KV blocks, "
+            f"but one max_model_len ({sched.max_model_len}) sequence needs {max_blocks_per_seq}: raise "
+            f"--gpu-memory-utilization, or lower --max-model-len or --max-num-batched-tokens")
+    logger.info(describe(profile, gpu_memory_utilization, num_blocks, runner.block_size, bytes_per_block))
+    return num_blocks
+
+
+@torch.inference_mode()
+def dummy_step(runner: ProfiledRunner, num_tokens: int, num_rows: int) -> None:
+    """A forward pass of num_tokens new tokens in num_rows rows over a one-block scratch cache, then the
+    logits and top-p sampling of up to max_num_seqs rows: the memory a real step of that shape needs."""
+    scratch = runner.new_kv_cache(1)
+    per_row = cdiv(num_tokens, num_rows)
+    rows, start = [], 0
+    while start < num_tokens:
+        n = min(per_row, num_tokens - start)
+        rows.append(BatchRow(start, n, 0, [0] * cdiv(n, runner.block_size)))
+        start += n
+    positions = torch.cat([torch.arange(row.num_new_tokens, device=runner.device) for row in rows])
+    runner.staging.reset()
+    staged = runner.attention_backend.stage(rows, sum(row.num_new_tokens == 1 for row in rows), runner.staging)
+    runner.staging.upload()
+    metadata = runner.attention_backend.finish(staged, positions % runner.block_size, runner.staging)  # block 0
+    hidden = runner.model(torch.zeros_like(positions), positions, scratch, metadata)
+    num_sample = min(num_tokens, runner.config.scheduler_config.max_num_seqs)
+    logits = runner.model.compute_logits(hidden[:num_sample]).float()
+    # Top-p sorts the vocabulary; penalties build [rows, vocab] tables: the sampler's worst case.
+    worst = SamplingParams(temperature=1.0, top_p=0.9, presence_penalty=0.1, repetition_penalty=1.1)
+    rows_sampling = [RowSampling(worst, [1], [1], [])] * num_sample
+    sample(logits, SamplingMetadata.from_rows(rows_sampling, logits.shape[1], runner.device))

@@ -25,7 +25,6 @@ from stepahead.attention.triton_backend import TritonBackend
 from stepahead.config import EngineConfig
 from stepahead.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from stepahead.models.loader import TORCH_DTYPES, load_model
-from stepahead.sampling_params import SamplingParams
 from stepahead.tracing import TraceEvent
 from stepahead.utils import cdiv
 from stepahead.worker import kv_memory
@@ -113,10 +112,11 @@ class ModelRunner:
             self.attention_backend = SdpaBackend(self.block_size, arange)
         self.num_kv_blocks = cache_config.num_blocks  # the pool's size, reported to the engine
         if cache_config.gpu_memory_utilization is not None:
-            self.num_kv_blocks = self._kv_blocks_from_memory(cache_config.gpu_memory_utilization, max_blocks_per_seq)
+            self.num_kv_blocks = kv_memory.blocks_from_memory(self, cache_config.gpu_memory_utilization,
+                                                              max_blocks_per_seq)
         elif self.device.type == "cuda":  # compile the kernels a prefill uses before the first request
-            self._dummy_step(min(64, sched_config.max_num_batched_tokens, 2 * sched_config.max_model_len), 2)
-        self.kv_cache = self._new_kv_cache(self.num_kv_blocks)
+            kv_memory.dummy_step(self, min(64, sched_config.max_num_batched_tokens, 2 * sched_config.max_model_len), 2)
+        self.kv_cache = self.new_kv_cache(self.num_kv_blocks)
         # Decode-only steps replay a captured forward pass: CUDA with the Triton backend, unless eager.
         self.decode_graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and config.attention_backend == "triton" and not config.enforce_eager:
@@ -134,59 +134,10 @@ class ModelRunner:
 
     # ---- the KV pool ----
 
-    def _new_kv_cache(self, num_blocks: int) -> PagedKVCache:
+    def new_kv_cache(self, num_blocks: int) -> PagedKVCache:
         m = self.config.model_config
         return PagedKVCache(m.num_layers, num_blocks, self.block_size, m.num_kv_heads, m.head_dim, self.dtype,
                             self.device)
-
-    def _kv_blocks_from_memory(self, gpu_memory_utilization: float, max_blocks_per_seq: int) -> int:
-        """The pool size that fits gpu_memory_utilization of the device, after profiling (kv_memory.py)."""
-        sched = self.config.scheduler_config
-        # The largest step: max_num_batched_tokens of prefill, in rows no longer than max_model_len.
-        largest_step = kv_memory.peak_bytes(
-            lambda: self._dummy_step(sched.max_num_batched_tokens, cdiv(sched.max_num_batched_tokens, sched.max_model_len)))
-        graphs = 0
-        if self.config.attention_backend == "triton" and not self.config.enforce_eager:
-            graphs = kv_memory.peak_bytes(lambda: self._dummy_step(sched.max_num_seqs, sched.max_num_seqs))
-        # Measured after the profiling steps, so what they loaded outside torch's allocator (cuBLAS
-        # workspaces, kernel images, Triton modules) counts as held.
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info()
-        profile = kv_memory.MemoryProfile(total, total - free, largest_step, graphs)
-        bytes_per_block = self.block_size * self.config.model_config.kv_bytes_per_token()
-        num_blocks = kv_memory.kv_pool_blocks(profile, gpu_memory_utilization, bytes_per_block,
-                                              self.config.cache_config.num_blocks)
-        if num_blocks - 1 < max_blocks_per_seq:
-            raise ValueError(
-                f"gpu_memory_utilization {gpu_memory_utilization} leaves room for {max(0, num_blocks - 1)} KV blocks, "
-                f"but one max_model_len ({sched.max_model_len}) sequence needs {max_blocks_per_seq}: raise "
-                f"--gpu-memory-utilization, or lower --max-model-len or --max-num-batched-tokens")
-        logger.info(kv_memory.describe(profile, gpu_memory_utilization, num_blocks, self.block_size, bytes_per_block))
-        return num_blocks
-
-    @torch.inference_mode()
-    def _dummy_step(self, num_tokens: int, num_rows: int) -> None:
-        """A forward pass of num_tokens new tokens in num_rows rows over a one-block scratch cache, then the
-        logits and top-p sampling of up to max_num_seqs rows: the memory a real step of that shape needs."""
-        scratch = self._new_kv_cache(1)
-        per_row = cdiv(num_tokens, num_rows)
-        rows, start = [], 0
-        while start < num_tokens:
-            n = min(per_row, num_tokens - start)
-            rows.append(BatchRow(start, n, 0, [0] * cdiv(n, self.block_size)))
-            start += n
-        positions = torch.cat([torch.arange(row.num_new_tokens, device=self.device) for row in rows])
-        self.staging.reset()
-        staged = self.attention_backend.stage(rows, sum(row.num_new_tokens == 1 for row in rows), self.staging)
-        self.staging.upload()
-        metadata = self.attention_backend.finish(staged, positions % self.block_size, self.staging)  # block 0
-        hidden = self.model(torch.zeros_like(positions), positions, scratch, metadata)
-        num_sample = min(num_tokens, self.config.scheduler_config.max_num_seqs)
-        logits = self.model.compute_logits(hidden[:num_sample]).float()
-        # Top-p sorts the vocabulary; penalties build [rows, vocab] tables: the sampler's worst case.
-        worst = SamplingParams(temperature=1.0, top_p=0.9, presence_penalty=0.1, repetition_penalty=1.1)
-        rows_sampling = [RowSampling(worst, [1], [1], [])] * num_sample
-        sample(logits, SamplingMetadata.from_rows(rows_sampling, logits.shape[1], self.device))
 
     # ---- state updates from the scheduler's diffs ----
 

@@ -10,6 +10,7 @@ import pytest
 from stepahead.engine.arg_utils import EngineArgs
 from stepahead.engine.core import EngineCore
 from stepahead.tools.scripted_worker import ScriptedModel
+from stepahead.worker import kv_memory
 from stepahead.worker.kv_memory import GiB, MemoryProfile, describe, kv_pool_blocks
 from stepahead.worker.model_runner import ModelRunner
 from tests.engine.fake_executor import EOS, FakeExecutor, make_engine
@@ -41,9 +42,9 @@ def test_cuda_without_a_pool_size_leaves_sizing_to_the_worker(tiny_llama, monkey
 @pytest.mark.parametrize("backend", ["sdpa", "triton"])
 def test_profiling_steps_run_for_each_backend(tiny_llama, backend):
     runner = ModelRunner(make_config(tiny_llama, attention_backend=backend, max_num_batched_tokens=96))
-    runner._dummy_step(96, 1)  # the largest prefill
-    runner._dummy_step(96, 3)  # ... in rows of at most max_model_len tokens
-    runner._dummy_step(64, 64)  # the largest decode step (the graphs' shape)
+    kv_memory.dummy_step(runner, 96, 1)  # the largest prefill
+    kv_memory.dummy_step(runner, 96, 3)  # ... in rows of at most max_model_len tokens
+    kv_memory.dummy_step(runner, 64, 64)  # the largest decode step (the graphs' shape)
 
 
 def test_engine_adopts_the_pool_size_its_worker_chose():
