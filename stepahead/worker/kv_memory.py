@@ -1,8 +1,8 @@
 """Sizing the KV pool on CUDA from --gpu-memory-utilization, the way vLLM users expect.
 
 The pool gets what is left of `gpu_memory_utilization * total device memory` after everything else
-the engine needs: what the device already holds once the weights are loaded (the weights, the CUDA
-context, other processes), the activation peak of the largest step the scheduler may send (profiled:
+the engine needs: what the device holds after the profiling steps (the weights, the CUDA context, cuBLAS
+workspaces and kernels, other processes), the activation peak of the largest step the scheduler may send (profiled:
 a prefill of max_num_batched_tokens tokens, then logits and top-p sampling for max_num_seqs rows) and
 the decode CUDA graphs' memory pool (profiled as the activation peak of a max_num_seqs decode step,
 the largest graph, whose pool the smaller ones share).

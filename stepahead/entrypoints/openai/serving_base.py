@@ -122,7 +122,8 @@ class OpenAIServing:
         return []
 
     def logprobs_of(self, ctx: ResponseContext, choice: Choice, token_ids: list[int],
-                    entries: list[dict[int, Logprob]]) -> BaseModel:
+                    entries: list[dict[int, Logprob]], text: str) -> BaseModel:
+        """The logprobs of token_ids, whose text is `text` (the delta being sent with them)."""
         raise NotImplementedError
 
     def keep_logprobs(self, choice: Choice, logprobs: BaseModel) -> None:
@@ -143,7 +144,8 @@ class OpenAIServing:
         choice.pending_lps.extend(completion.logprobs)
         if not (flush or completion.text or completion.finish_reason is not None):
             return None
-        logprobs = self.logprobs_of(ctx, choice, choice.pending_ids, choice.pending_lps)
+        # The pending tokens' text (earlier deltas held none) is this delta's.
+        logprobs = self.logprobs_of(ctx, choice, choice.pending_ids, choice.pending_lps, completion.text)
         choice.pending_ids, choice.pending_lps = [], []
         return logprobs
 

@@ -173,7 +173,7 @@ class OpenAIServingChat(OpenAIServing):
         return {"delta": {"content": text} if text else {}}
 
     def logprobs_of(self, ctx: ResponseContext, choice: Choice, token_ids: list[int],
-                    entries: list[dict[int, Logprob]]) -> ChatLogprobs:
+                    entries: list[dict[int, Logprob]], text: str) -> ChatLogprobs:
         return chat_logprobs(token_ids, entries, ctx.top_logprobs, self.engine.tokenizer.decode, self.token_bytes)
 
     def keep_logprobs(self, choice: _ChatChoice, logprobs: ChatLogprobs) -> None:

@@ -151,3 +151,15 @@ def test_token_bytes_of_the_builtin_tokenizer():
     raw = TokenBytes(tokenizer)
     text = "Ünïcode ✓ 日本語 and plain words"
     assert b"".join(raw(i) for i in tokenizer.encode(text, add_special_tokens=False)).decode() == text
+
+
+def test_text_offsets_index_the_returned_text(http):
+    """Sampled text with multi-byte characters: every offset is inside the text, in order, and a token
+    starts where its predecessors' text ends (streamed and not)."""
+    body = {"model": MODEL_NAME, "prompt": "héllo wörld ✓ 日本", "max_tokens": 24, "temperature": 1.0, "seed": 3,
+            "logprobs": 1, "ignore_eos": True}
+    for seed in range(3, 8):
+        reply = http.post("/v1/completions", json={**body, "seed": seed}).json()["choices"][0]
+        text, offsets = reply["text"], reply["logprobs"]["text_offset"]
+        assert offsets == sorted(offsets) and offsets[0] == 0
+        assert all(0 <= o <= len(text) for o in offsets), (offsets, len(text))
