@@ -23,6 +23,7 @@ from stepahead.entrypoints.openai.protocol import (
 )
 from stepahead.entrypoints.openai.serving_base import Choice, OpenAIServing, ResponseContext
 from stepahead.entrypoints.openai.serving_utils import clamp, encode_ids, sampling_params_of, token_text
+from stepahead.entrypoints.openai.template_sandbox import TemplateSandbox
 from stepahead.entrypoints.openai.token_bytes import TokenBytes
 from stepahead.outputs import LOGPROB_FLOOR, Logprob
 from stepahead.sampling_params import MAX_LOGPROBS
@@ -37,31 +38,35 @@ RESERVED_TEMPLATE_KWARGS = {"conversation", "tokenize", "add_generation_prompt",
 
 
 def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool,
-                template_kwargs: dict | None, chat_template: str | None = None) -> str:
-    """The prompt text the chat template (the tokenizer's, or chat_template) makes of the messages; 400 on
-    anything it cannot render. CPU work that grows with the input: call it through Offload."""
+                template_kwargs: dict | None, chat_template: str | None = None,
+                sandbox: TemplateSandbox | None = None) -> str:
+    """The prompt text the chat template makes of the messages; 400 on anything it cannot render. A
+    template the request brought (chat_template) renders in the sandbox's child process. CPU work that
+    grows with the input: call it through Offload."""
     if add_generation_prompt and continue_final_message:
         raise APIError("continue_final_message and add_generation_prompt cannot both be true", 400,
                        "continue_final_message")
     if not getattr(tokenizer, "chat_template", None) and chat_template is None:
         raise APIError(NO_TEMPLATE, 400, "messages")
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(template_kwargs or {}))
+    if reserved:
+        raise APIError(f"chat_template_kwargs may not set {reserved}: the server sets them", 400, "chat_template_kwargs")
     conversation = []
     for index, message in enumerate(messages):
         entry = {"role": message.role, "content": _flatten_content(message, index)}
         if message.name is not None:
             entry["name"] = message.name
         conversation.append(entry)
-    reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(template_kwargs or {}))
-    if reserved:
-        raise APIError(f"chat_template_kwargs may not set {reserved}: the server sets them", 400, "chat_template_kwargs")
     kwargs = {k: v for k, v in (template_kwargs or {}).items() if k != "chat_template"}
-    if chat_template is not None:
-        kwargs["chat_template"] = chat_template
+    kwargs["add_generation_prompt"] = add_generation_prompt
     if continue_final_message:
         kwargs["continue_final_message"] = True
+    if chat_template is not None:
+        if sandbox is None:
+            raise APIError("chat templates from requests need the server's template sandbox", 400, "chat_template")
+        return sandbox.render(conversation, chat_template, kwargs)
     try:
-        return tokenizer.apply_chat_template(conversation, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt, **kwargs)
+        return tokenizer.apply_chat_template(conversation, tokenize=False, **kwargs)
     except APIError:
         raise
     except Exception as e:  # noqa: BLE001 - jinja2 errors and ValueErrors are the request's fault
@@ -130,6 +135,8 @@ class OpenAIServingChat(OpenAIServing):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.token_bytes = TokenBytes(self.engine.tokenizer)
+        self.template_sandbox = (TemplateSandbox(self.engine.config.model_config)
+                                 if self.limits.trust_request_chat_template else None)
 
     async def create(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
         model_name = self.check_request(req)
@@ -143,7 +150,8 @@ class OpenAIServingChat(OpenAIServing):
         template = request_template(req, self.limits.trust_request_chat_template)
         tokenizer = self.engine.tokenizer
         text = await self.offload.run(render_chat, tokenizer, req.messages, req.add_generation_prompt,
-                                      req.continue_final_message, req.chat_template_kwargs, template)
+                                      req.continue_final_message, req.chat_template_kwargs, template,
+                                      self.template_sandbox)
         prompt_ids = await self.offload.run(encode_ids, tokenizer, text, req.add_special_tokens)
         request_id = random_id("chatcmpl")
         stream = self.add_request(req, request_id, {"prompt_token_ids": prompt_ids, "prompt": text}, params)

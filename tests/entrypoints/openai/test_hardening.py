@@ -102,6 +102,24 @@ def test_trusted_request_template_renders_off_the_loop(tiny_llama):
         r = httpx.post(srv.base_url + "/chat/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["prompt_tokens"] == expected
+        # A runaway template is cut at the time limit (its child process is terminated), one that renders
+        # too much at the size limit; /health answers meanwhile, and the next template renders again.
+        evil = {**body, "chat_template": NESTED_LOOPS}
+        result: dict = {}
+        thread = threading.Thread(target=lambda: result.update(r=httpx.post(srv.base_url + "/chat/completions",
+                                                                              json=evil, timeout=60)))
+        thread.start()
+        while thread.is_alive():
+            started = time.monotonic()
+            assert httpx.get(srv.url + "/health", timeout=5).status_code == 200
+            assert time.monotonic() - started < 1.0
+            time.sleep(0.2)
+        _check_error(result["r"], 400, "chat_template", "did not finish rendering")
+        huge = {**body, "chat_template": "{{ 'a' * 3000000 }}"}
+        _check_error(httpx.post(srv.base_url + "/chat/completions", json=huge, timeout=60), 400, "chat_template",
+                     "more than")
+        r = httpx.post(srv.base_url + "/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == expected
     finally:
         srv.stop()
 
