@@ -81,6 +81,9 @@ class InputProcessor:
         prompt_ids, text = self.tokenize(prompt)
         self.validate(prompt_ids, params)
         children = []
+        extra_eos = [i for i in self.model_config.extra_eos_token_ids if i not in params.stop_token_ids]
+        if extra_eos and not params.ignore_eos:
+            params = dataclasses.replace(params, stop_token_ids=[*params.stop_token_ids, *extra_eos])
         for index in range(params.n):
             child_params = params
             if params.n > 1:

@@ -15,9 +15,9 @@ FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min
           "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
-def generation_defaults(setting: str, model_folder: Path | None) -> dict[str, Any]:
-    """SamplingParams defaults. setting: 'auto' (the model folder's generation_config.json), 'vllm' (none:
-    vLLM's own defaults) or a folder holding a generation_config.json. Unknown fields are left out."""
+def read_generation_config(setting: str, model_folder: Path | None) -> dict[str, Any]:
+    """The generation_config.json that applies. setting: 'auto' (the model folder's), 'vllm' (none: vLLM's
+    own defaults) or a folder holding one."""
     if setting == "vllm":
         return {}
     folder = model_folder if setting == "auto" else Path(setting)
@@ -27,9 +27,20 @@ def generation_defaults(setting: str, model_folder: Path | None) -> dict[str, An
         return {}
     path = folder / "generation_config.json"
     try:
-        config = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise ValueError(f"generation_config: {str(path)!r} is not valid JSON: {e}") from e
+
+
+def eos_token_ids(config: dict[str, Any]) -> list[int]:
+    """The eos_token_id field of a config.json or generation_config.json: one id or a list."""
+    eos = config.get("eos_token_id")
+    ids = eos if isinstance(eos, list) else [eos]
+    return [int(i) for i in ids if i is not None]
+
+
+def generation_defaults(config: dict[str, Any]) -> dict[str, Any]:
+    """SamplingParams defaults from a generation config. Unknown fields are left out."""
     defaults = {ours: config[theirs] for theirs, ours in FIELDS.items() if config.get(theirs) is not None}
     if defaults:
         logger.info("Default sampling parameters from the model's generation_config.json: %s "

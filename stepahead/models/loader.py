@@ -15,7 +15,7 @@ from torch import nn
 
 from stepahead.config import ModelConfig
 from stepahead.models import gguf_loader, hub, model_cache
-from stepahead.models.generation_config import generation_defaults
+from stepahead.models.generation_config import eos_token_ids, generation_defaults, read_generation_config
 from stepahead.models.llama import (
     SUPPORTED_ARCHITECTURES,
     SUPPORTED_ROPE_TYPES,
@@ -128,9 +128,11 @@ def load_model_config(model: str | None, device: str, *, dtype: str = "auto", ma
     if max_model_len is not None and not (2 <= max_model_len <= model_max):
         raise ValueError(f"max_model_len must be in [2, {model_max}] (the model's max_position_embeddings), "
                          f"got {max_model_len}")
-    eos = cfg.get("eos_token_id")
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
+    gen_config = read_generation_config(generation_config, p if p.is_dir() else None)
+    # Models with several end tokens (Llama 3's <|end_of_text|> and <|eot_id|>, ...): the first is the
+    # EOS, the others stop a request too.
+    eos_ids = list(dict.fromkeys(eos_token_ids(cfg) + eos_token_ids(gen_config)))
+    eos = eos_ids[0] if eos_ids else None
     return ModelConfig(
         model=str(p), architecture=arch, hf_config=cfg, dtype=dtype,
         max_model_len=max_model_len or model_max, vocab_size=margs.vocab_size,
@@ -138,7 +140,8 @@ def load_model_config(model: str | None, device: str, *, dtype: str = "auto", ma
         eos_token_id=eos, seed=seed, load_format=resolved_format,
         served_model_name=served_model_name, tokenizer=tokenizer,
         converted=None if converted is None else str(converted),
-        generation_defaults=generation_defaults(generation_config, p if p.is_dir() else None),
+        generation_defaults=generation_defaults(gen_config),
+        extra_eos_token_ids=tuple(eos_ids[1:]),
         chat_template=_read_chat_template(chat_template),
     )
 

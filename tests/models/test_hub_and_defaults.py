@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -123,3 +124,22 @@ def test_cli_flags_override_the_model_defaults():
     params = sampling_params_from_namespace(ns, defaults=defaults)
     assert (params.temperature, params.top_p, params.top_k, params.max_tokens, params.seed) == (0.0, 0.5, 0, 7, 3)
     assert sampling_params_from_namespace(ns).temperature == 1.0  # no model defaults: vLLM's
+
+
+def test_every_end_token_stops_a_request(tiny_llama, tmp_path):
+    """config.json's or generation_config.json's list of end tokens: each one stops a request (as
+    Llama 3's <|eot_id|> must), unless ignore_eos."""
+    prompt = {"prompt_token_ids": list(range(40, 60))}
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    with LLM(str(tiny_llama), executor="uni") as llm:
+        free = llm.generate(prompt, dataclasses.replace(greedy, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    third = free.token_ids[2]
+    folder = shutil.copytree(tiny_llama, tmp_path / "two-ends")
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, third]}))
+    config = load_model_config(str(folder), "cpu")
+    assert config.eos_token_id == 2 and config.extra_eos_token_ids == (third,)
+    with LLM(str(folder), executor="uni") as llm:
+        (out,) = llm.generate(prompt, greedy, use_tqdm=False)
+        assert out.outputs[0].token_ids == free.token_ids[:3] and out.outputs[0].finish_reason == "stop"
+        (kept,) = llm.generate(prompt, dataclasses.replace(greedy, ignore_eos=True), use_tqdm=False)
+        assert kept.outputs[0].token_ids == free.token_ids
