@@ -36,8 +36,8 @@ class ModelConfig:
     # SamplingParams defaults from the model's generation_config.json (models/generation_config.py).
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     chat_template: str | None = None  # replaces the tokenizer's chat template (Jinja text)
-    # End tokens beyond eos_token_id (config.json's or generation_config.json's list): they stop
-    # requests too, unless ignore_eos (added to each request's stop_token_ids).
+    # End tokens beyond eos_token_id (config.json's or generation_config.json's list): they finish
+    # requests as EOS does, unless ignore_eos.
     extra_eos_token_ids: tuple[int, ...] = ()
 
     def kv_bytes_per_token(self) -> int:

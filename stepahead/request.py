@@ -73,10 +73,13 @@ class Request:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         max_model_len: int | None = None,
+        extra_eos_token_ids: tuple[int, ...] = (),
     ) -> None:
         self.request_id = request_id
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
+        # The model's other end tokens (Llama 3's <|eot_id|>, ...): they finish the request as EOS does.
+        self.extra_eos_token_ids = extra_eos_token_ids
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.cache_salt = cache_salt
         self.prompt_token_ids = list(prompt_token_ids)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from stepahead.utils import cdiv
@@ -18,3 +19,14 @@ class BatchRow:
 
     def blocks_needed(self, block_size: int) -> int:
         return cdiv(self.num_computed_tokens + self.num_new_tokens, block_size)
+
+
+def stage_block_table(rows: Sequence[BatchRow], width: int, block_size: int, staging) -> int:
+    """Write the rows' block tables, padded to `width` with the null block 0, into the step's staging
+    buffer as one [len(rows), width] table; returns its offset there."""
+    table, offset = staging.alloc(len(rows) * width)
+    table[:] = 0
+    for b, row in enumerate(rows):
+        need = row.blocks_needed(block_size)
+        table[b * width:b * width + need] = row.block_ids[:need]
+    return offset

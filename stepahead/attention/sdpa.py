@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from stepahead.attention.paged_cache import LayerKV
-from stepahead.attention.rows import BatchRow
+from stepahead.attention.rows import BatchRow, stage_block_table
 
 
 @dataclass
@@ -70,7 +70,7 @@ def decode_groups(blocks_needed: list[int], min_rows: int = 8) -> list[tuple[int
 
 @dataclass
 class StagedMetadata:
-    """Where build_metadata put the block tables and lengths in the staging buffer; finish() turns them
+    """Where stage_metadata put the block tables and lengths in the staging buffer; finish() turns them
     into device views once the buffer is uploaded."""
 
     decode_groups: list[tuple[int, int, int, int]]  # (first row, end row, table width, table offset)
@@ -115,20 +115,13 @@ def stage_metadata(rows: list[BatchRow], num_decode_rows: int, staging, block_si
     groups = []
     for first, end in decode_groups(needs):
         width = needs[end - 1]
-        table, table_offset = staging.alloc((end - first) * width)
-        table[:] = 0  # padding points at the null block
-        for b in range(first, end):
-            table[(b - first) * width:(b - first) * width + needs[b]] = rows[b].block_ids[:needs[b]]
-        groups.append((first, end, width, table_offset))
+        groups.append((first, end, width, stage_block_table(rows[first:end], width, block_size, staging)))
     prefills: list[tuple[BatchRow, int | None]] = []
     for row in rows[num_decode_rows:]:
         if row.num_computed_tokens == 0:  # attends only to its own new tokens: no table needed
             prefills.append((row, None))
             continue
-        need = row.blocks_needed(block_size)
-        table, table_offset = staging.alloc(need)
-        table[:] = row.block_ids[:need]
-        prefills.append((row, table_offset))
+        prefills.append((row, stage_block_table([row], row.blocks_needed(block_size), block_size, staging)))
     return StagedMetadata(groups, prefills, lens_offset)
 
 

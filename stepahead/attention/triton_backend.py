@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from stepahead.attention.paged_cache import LayerKV
-from stepahead.attention.rows import BatchRow
+from stepahead.attention.rows import BatchRow, stage_block_table
 
 
 @dataclass
@@ -62,13 +62,10 @@ class TritonBackend:
     def stage(self, rows: list[BatchRow], num_decode_rows: int, staging) -> StagedTritonMetadata:
         """Write the block table, context lengths and row starts into the staging buffer (host side)."""
         width = max((row.blocks_needed(self.block_size) for row in rows), default=1)
-        table, table_offset = staging.alloc(len(rows) * width)
+        table_offset = stage_block_table(rows, width, self.block_size, staging)
         lens, lens_offset = staging.alloc(len(rows))
         starts, starts_offset = staging.alloc(len(rows) + 1)
-        table[:] = 0
         for b, row in enumerate(rows):
-            need = row.blocks_needed(self.block_size)
-            table[b * width:b * width + need] = row.block_ids[:need]
             lens[b] = row.num_computed_tokens + row.num_new_tokens
             starts[b] = row.start
         starts[len(rows)] = rows[-1].start + rows[-1].num_new_tokens if rows else 0

@@ -26,7 +26,7 @@ def check_stop(request: Request, max_request_len: int) -> bool:
             return True
         return False
     last = output[-1]
-    if last == request.eos_token_id and not params.ignore_eos:
+    if (last == request.eos_token_id or last in request.extra_eos_token_ids) and not params.ignore_eos:
         request.status = RequestStatus.FINISHED_STOPPED
         return True
     if params.stop_token_ids and last in params.stop_token_ids:

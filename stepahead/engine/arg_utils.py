@@ -7,6 +7,7 @@ config, KV pool size, batch-queue depth) into the EngineConfig the engine runs w
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields
 
 from stepahead.config import (
@@ -172,8 +173,6 @@ def resolve_attention_backend(name: str, device: str) -> str:
     if name == "auto":
         return "triton" if device == "cuda" else "sdpa"
     if name == "triton" and device == "cpu":
-        import os
-
         check_field(os.environ.get("TRITON_INTERPRET") == "1", "attention_backend", name,
                     "needs a CUDA device (on CPU only under TRITON_INTERPRET=1, Triton's slow interpreter)")
     return name

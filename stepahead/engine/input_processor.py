@@ -81,9 +81,6 @@ class InputProcessor:
         prompt_ids, text = self.tokenize(prompt)
         self.validate(prompt_ids, params)
         children = []
-        extra_eos = [i for i in self.model_config.extra_eos_token_ids if i not in params.stop_token_ids]
-        if extra_eos and not params.ignore_eos:
-            params = dataclasses.replace(params, stop_token_ids=[*params.stop_token_ids, *extra_eos])
         for index in range(params.n):
             child_params = params
             if params.n > 1:
@@ -94,6 +91,7 @@ class InputProcessor:
                 prompt_ids,
                 child_params,
                 eos_token_id=self.model_config.eos_token_id,
+                extra_eos_token_ids=self.model_config.extra_eos_token_ids,
                 arrival_time=arrival_time,
                 max_model_len=self.max_model_len,
             ))

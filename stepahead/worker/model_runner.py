@@ -11,6 +11,7 @@ sampling), so the engine can defer sampling until a grammar's bitmask is known.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -98,7 +99,7 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         self.model = load_model(model_config, config.device)
         self.vocab_size = model_config.vocab_size
-        self.eos_token_id = model_config.eos_token_id
+        self.eos_token_ids = [i for i in (model_config.eos_token_id, *model_config.extra_eos_token_ids) if i is not None]
         max_blocks_per_seq = cdiv(sched_config.max_model_len, cache_config.block_size)
         # Worst step: 3 per token (ids, positions, slots), block tables of every row, 6 per row.
         capacity = (3 * sched_config.max_num_batched_tokens + 6 * sched_config.max_num_seqs + 1
@@ -312,8 +313,8 @@ class ModelRunner:
         stop_ids: list[int] = []
         if params.min_tokens:
             stop_ids = list(params.stop_token_ids)
-            if self.eos_token_id is not None and not params.ignore_eos:
-                stop_ids.append(self.eos_token_id)
+            if not params.ignore_eos:
+                stop_ids += self.eos_token_ids
         num_outputs = len(state.token_ids) - state.num_prompt_tokens
         # The output history is copied only for rows whose penalties read it.
         outputs = state.output_token_ids if params.uses_penalties else []
@@ -348,16 +349,11 @@ class ModelRunner:
             sampled = SamplerOutput(torch.empty(0, dtype=torch.long, device=self.device))
         self.prev_sampled_token_ids = sampled.sampled_token_ids
         self.prev_req_id_to_row = {step.req_ids[b]: i for i, b in enumerate(step.sample_rows)}
-
-        def finish(ids: list[int], host: SamplerOutput) -> ModelRunnerOutput:
-            return self._build_output(step, metadata, ids, host, t0, t1)
-
         if not self.async_output:
             ids = sampled.sampled_token_ids.tolist()
             for state, token in zip(states, ids, strict=True):
                 state.token_ids.append(token)
-            t1 = time.monotonic()
-            out = finish(ids, sampled)
+            out = self._build_output(step, metadata, t0, time.monotonic(), ids, sampled)
             if step.gpu_start is not None:
                 out.gpu_busy_s = self._gpu_busy_s(step.gpu_start)
             return out
@@ -371,7 +367,8 @@ class ModelRunner:
         for state in states:
             placeholders.append((state.token_ids, len(state.token_ids)))
             state.token_ids.append(-1)
-        t1 = time.monotonic()
+        # The output is built on the host once the ids arrive (by the executor's resolver thread).
+        finish = functools.partial(self._build_output, step, metadata, t0, time.monotonic())
         handle = AsyncModelRunnerOutput(host, ready, placeholders, finish, gpu_timing)
         self._unresolved.append(handle)
         return handle
@@ -384,8 +381,8 @@ class ModelRunner:
         end.synchronize()
         return gpu_start.elapsed_time(end) / 1000.0
 
-    def _build_output(self, step: _StepState, metadata: SamplingMetadata | None, ids: list[int], host: SamplerOutput,
-                      t0: float, t1: float) -> ModelRunnerOutput:
+    def _build_output(self, step: _StepState, metadata: SamplingMetadata | None, t0: float, t1: float,
+                      ids: list[int], host: SamplerOutput) -> ModelRunnerOutput:
         """The step's ModelRunnerOutput from its sampled ids and logprob tensors, both on the host."""
         row_logprobs = {}
         if metadata is not None and metadata.max_num_logprobs is not None:

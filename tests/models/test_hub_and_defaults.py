@@ -141,5 +141,6 @@ def test_every_end_token_stops_a_request(tiny_llama, tmp_path):
     with LLM(str(folder), executor="uni") as llm:
         (out,) = llm.generate(prompt, greedy, use_tqdm=False)
         assert out.outputs[0].token_ids == free.token_ids[:3] and out.outputs[0].finish_reason == "stop"
+        assert out.outputs[0].stop_reason is None  # an end token, as EOS: not a stop_token_ids hit
         (kept,) = llm.generate(prompt, dataclasses.replace(greedy, ignore_eos=True), use_tqdm=False)
         assert kept.outputs[0].token_ids == free.token_ids
