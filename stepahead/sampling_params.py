@@ -12,20 +12,38 @@ MAX_LOGPROBS = 20
 
 @dataclass
 class StructuredOutputsParams:
-    """A grammar constraint; exactly one of the fields is set."""
+    """A grammar constraint (vLLM's spellings); exactly one of the fields is set.
+
+    json: a JSON schema (dict or its text); regex: a regular expression the whole output matches;
+    choice: the output is one of these strings; grammar: an EBNF/GBNF grammar whose rule `root` the
+    output matches; json_object: any JSON object.
+    """
 
     json: dict[str, Any] | str | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    json_object: bool | None = None
+
+    KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
     def __post_init__(self) -> None:
-        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given = [name for name in self.KINDS if getattr(self, name) not in (None, False)]
         if len(given) != 1:
             raise InvalidInputError(
-                f"structured_outputs: exactly one of json, regex, choice, grammar must be set (got {given})",
+                f"structured_outputs: exactly one of {', '.join(self.KINDS)} must be set (got {given})",
                 param="structured_outputs",
             )
+        if self.choice is not None and not (self.choice and all(isinstance(c, str) and c for c in self.choice)):
+            raise InvalidInputError(
+                f"structured_outputs: choice must be a non-empty list of non-empty strings, got {self.choice!r}",
+                param="structured_outputs",
+            )
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: one of KINDS."""
+        return next(name for name in self.KINDS if getattr(self, name) not in (None, False))
 
 
 @dataclass

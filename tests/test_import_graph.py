@@ -3,8 +3,8 @@
 Every `import` and `from ... import` statement counts, at module level or inside a function, since a
 function-level import is still a dependency. Layers, lowest first:
 
-    top-level modules (config, request, sampling_params, ...) < core < worker, models, attention
-    < executor < engine < entrypoints < bench, tools
+    top-level modules (config, request, sampling_params, ...) < core < worker, models, attention,
+    structured_output < executor < engine < entrypoints < bench, tools
 
 A module may import its own layer and the layers below it. bench/ and tools/ sit on top and may import
 anything; only entrypoints/cli.py (which registers their subcommands) imports them from below.
@@ -29,6 +29,7 @@ LAYERS: dict[str, int] = {
     "worker": 2,
     "models": 2,
     "attention": 2,
+    "structured_output": 2,
     "executor": 3,
     "engine": 4,
     "entrypoints": 5,

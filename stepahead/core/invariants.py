@@ -78,7 +78,7 @@ def check_scheduler(sched: SchedulerState, in_flight: list[SchedulerOutput] | No
         if r.status != RequestStatus.RUNNING:
             _fail("queues", f"{r} in running")
     for r in (*sched.waiting, *sched.skipped_waiting):
-        if r.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+        if r.status not in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_GRAMMAR, RequestStatus.PREEMPTED):
             _fail("queues", f"{r} in waiting")
     in_flight_tokens: Counter[str] = Counter()
     for scheduler_output in in_flight or ():
@@ -108,6 +108,9 @@ def check_scheduler(sched: SchedulerState, in_flight: list[SchedulerOutput] | No
                 _fail("I3", f"sync: computed <= num_tokens <= computed + 1 fails: {req}")
         if req.status != RequestStatus.RUNNING and num_placeholders != 0:
             _fail("I1", f"placeholders on a request that is not running: {req}")
+        grammar = req.structured_output
+        if grammar is not None and grammar.matcher is not None and grammar.num_accepted_tokens != req.num_output_tokens:
+            _fail("G1", f"grammar accepted {grammar.num_accepted_tokens} tokens, output has {req.num_output_tokens}: {req}")
     if in_flight is not None and sched.defer_block_free:
         num_non_empty = sum(1 for s in in_flight if s.total_num_scheduled_tokens > 0)
         seq_gap = sched.sched_step_seq - sched.processed_step_seq

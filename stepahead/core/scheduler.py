@@ -24,11 +24,21 @@ logger = logging.getLogger(__name__)
 
 
 class StructuredOutputBackend(Protocol):
-    """The grammar hook. The scheduler works without one; requests then are not constrained."""
+    """The grammar hook (structured_output.StructuredOutputManager). Without one the scheduler still
+    defers grammar steps' sampling but constrains nothing; the input processor refuses structured
+    requests when no backend is configured."""
+
+    def submit(self, request: Request) -> None: ...  # start compiling; sets request.structured_output
+
+    def is_ready(self, request: Request) -> bool: ...
+
+    def compile_error(self, request: Request) -> str | None: ...
 
     def grammar_bitmask(self, requests: list[Request]) -> Any: ...
 
     def accept_tokens(self, request: Request, token_ids: list[int]) -> bool: ...
+
+    def is_terminated(self, request: Request) -> bool: ...
 
 
 class Scheduler:
@@ -55,6 +65,7 @@ class Scheduler:
         self.max_model_len = scheduler_config.max_model_len
         self.kv_cache_manager = KVCacheManager(cache_config, scheduler_config.max_model_len)
         self.structured_output_manager: StructuredOutputBackend | None = None
+        self.error_outputs: list[EngineCoreOutput] = []
         # The most tokens a request may hold: it computes at most this minus one positions, one KV
         # slot each. A pool smaller than one max_model_len sequence lowers it, so a request that
         # outgrows the pool finishes with "length" instead of preempting itself forever.
@@ -97,6 +108,10 @@ class Scheduler:
         """Validate first; on ValueError nothing has changed."""
         self._check_admissible(request)
         request.status = RequestStatus.WAITING
+        grammar_manager = self.structured_output_manager
+        if request.use_structured_output and grammar_manager is not None:
+            grammar_manager.submit(request)
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR  # until its grammar has compiled
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -207,6 +222,11 @@ class Scheduler:
                 break
             queue = self.skipped_waiting if self.skipped_waiting else self.waiting
             req = queue[0]
+            if req.status == RequestStatus.WAITING_FOR_GRAMMAR and not self._grammar_ready(req):
+                queue.popleft()  # others go ahead while it compiles
+                if not req.is_finished():
+                    step_skipped.append(req)
+                continue
             if req.num_stale_output_tokens and not req.drop_stale_output:
                 # Deliverable stale output still in flight: resuming now could resample a
                 # position that output later delivers (docs/design.md, "Stale output").
@@ -234,6 +254,27 @@ class Scheduler:
             plan.schedule(req, num_new)
         if step_skipped:
             self.skipped_waiting.extendleft(reversed(step_skipped))
+
+    def _grammar_ready(self, request: Request) -> bool:
+        """Whether a request waiting for its grammar may be admitted now. A failed compile finishes
+        it with "error" (the output is handed out by take_error_outputs)."""
+        grammar_manager = self.structured_output_manager
+        if not grammar_manager.is_ready(request):
+            return False
+        error = grammar_manager.compile_error(request)
+        if error is not None:
+            logger.error("request %s: %s", request.request_id, error)
+            request.status = RequestStatus.FINISHED_ERROR
+            self._free_request(request)
+            self.error_outputs.append(EngineCoreOutput(request.request_id, [], "error", error))
+            return False
+        request.status = RequestStatus.WAITING
+        return True
+
+    def take_error_outputs(self) -> list[EngineCoreOutput]:
+        """Outputs of requests that failed before running (their grammar did not compile)."""
+        outputs, self.error_outputs = self.error_outputs, []
+        return outputs
 
     def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
         requests = self.requests
@@ -296,7 +337,13 @@ class Scheduler:
             new_ids, stopped = self._update_request_with_output(req, list(sampled), is_stale)
             if new_ids and grammar_manager is not None and req.use_structured_output and not req.is_finished():
                 if not grammar_manager.accept_tokens(req, new_ids):
+                    req.stop_reason = f"the grammar rejected sampled tokens {new_ids}"
+                    logger.error("request %s: %s", rid, req.stop_reason)
                     req.status = RequestStatus.FINISHED_ERROR
+                    stopped = True
+                elif grammar_manager.is_terminated(req):
+                    # The grammar took an end token the stop rules let through (ignore_eos): it is done.
+                    req.status = RequestStatus.FINISHED_STOPPED
                     stopped = True
             finish_reason = None
             if stopped:

@@ -27,6 +27,7 @@ CHOICES = {
     "load_format": ("auto", "safetensors", "gguf", "dummy"),
     "device": ("auto", "cpu", "cuda"),
     "attention_backend": ("auto", "sdpa", "triton"),
+    "structured_outputs_backend": ("xgrammar", "none"),
 }
 
 
@@ -80,6 +81,9 @@ class EngineArgs:
     async_output: bool | None = _arg(
         None, "the worker hands a step's output on before its sampled ids reach the host, resolving it off "
               "its call path (default: on with CUDA)")
+    structured_outputs_backend: str = _arg(
+        "xgrammar", "grammar backend for structured outputs (JSON schema, regex, choice, EBNF); 'none' refuses "
+                    "requests that carry one")
 
     def __post_init__(self) -> None:
         for name, allowed in CHOICES.items():
@@ -164,6 +168,7 @@ class EngineArgs:
             attention_backend=resolve_attention_backend(self.attention_backend, device),
             enforce_eager=self.enforce_eager,
             async_output=device == "cuda" if self.async_output is None else self.async_output,
+            structured_outputs_backend=self.structured_outputs_backend,
         )
 
 

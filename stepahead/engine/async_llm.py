@@ -108,7 +108,7 @@ class AsyncLLM:
         self.config = config
         self.model_config = config.model_config
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model_config)
-        self.input_processor = InputProcessor(config.model_config, self.tokenizer)
+        self.input_processor = InputProcessor(config.model_config, self.tokenizer, config.structured_outputs_backend)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats_listeners: list[StatsListener] = []
         self.dead_event = asyncio.Event()

@@ -8,6 +8,7 @@ starts it before blocking on step N's output (docs/design.md, "Batch-queue depth
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import time
 from collections import deque
@@ -15,14 +16,15 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import NamedTuple
 
-from stepahead.config import EngineConfig
+from stepahead.config import EngineConfig, ModelConfig
 from stepahead.core.async_scheduler import AsyncScheduler
-from stepahead.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from stepahead.core.sched_output import EngineCoreOutput, GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from stepahead.core.scheduler import Scheduler
 from stepahead.errors import EngineDeadError
 from stepahead.executor.abstract import Executor
 from stepahead.outputs import EngineStats
 from stepahead.request import Request, RequestStatus
+from stepahead.structured_output import StructuredOutputManager
 from stepahead.tracing import TraceEvent
 
 _HEALTH_POLL_S = 1.0  # how often a blocked wait asks the executor whether its worker is alive
@@ -55,6 +57,8 @@ class EngineCore:
         self.config = config
         scheduler_cls = AsyncScheduler if config.async_scheduling else Scheduler
         self.scheduler: Scheduler = scheduler_cls(config.scheduler_config, config.cache_config)
+        if config.structured_outputs_backend == "xgrammar":
+            self.scheduler.structured_output_manager = make_structured_output_manager(config.model_config)
         self.executor = executor
         self.batch_queue_size = config.max_concurrent_batches
         self.batch_queue: deque[InFlightStep] = deque()  # newest on the left
@@ -124,7 +128,7 @@ class EngineCore:
             if self._work_since is None:
                 self._work_since = now
             try:
-                outputs = self._step_fn()
+                outputs = self._step_fn() + self.scheduler.take_error_outputs()
             except EngineDeadError:
                 raise
             except Exception as e:  # noqa: BLE001 - any executor failure kills the engine
@@ -145,7 +149,7 @@ class EngineCore:
             return []
         scheduler_output = self._schedule()
         execute_future = self.executor.execute_model(scheduler_output)
-        grammar = self.scheduler.get_grammar_bitmask(scheduler_output)  # on the CPU while the forward pass runs
+        grammar = self._grammar_bitmask(scheduler_output)  # on the CPU while the forward pass runs
         model_output = self._wait(execute_future)
         if model_output is None:
             model_output = self._wait(self.executor.sample_tokens(grammar))
@@ -164,10 +168,11 @@ class EngineCore:
            schedules again while the worker computes. With no request at all and an empty queue,
            return [] too.
         4. Otherwise pop the oldest in-flight step and wait for its output (and for its forward
-           pass, which surfaces a failure).
+           pass, which surfaces a failure); for a deferred step, every step in flight, oldest first,
+           since at depth > 2 its grammars may await tokens of more than one of them.
         5. Apply the aborts that arrived meanwhile.
         6. Process the output (update_from_output).
-        7. A deferred step now samples: its grammar has seen the previous token; it joins the queue.
+        7. A deferred step now samples: its grammars have seen every earlier token; it joins the queue.
         (docs/design.md, "Batch-queue depth" and "Deferred sampling for grammars")
         """
         queue = self.batch_queue
@@ -182,10 +187,9 @@ class EngineCore:
             if not executed:
                 sample_future = execute_future
             elif not scheduler_output.pending_structured_output_tokens or not queue:
-                grammar = self.scheduler.get_grammar_bitmask(scheduler_output)
-                sample_future = self.executor.sample_tokens(grammar)
+                sample_future = self.executor.sample_tokens(self._grammar_bitmask(scheduler_output))
             else:
-                # The grammar must first see the previous step's token: sample after processing it.
+                # The grammars must first see the tokens in flight: sample after processing them.
                 deferred = scheduler_output
             if deferred is None:
                 queue.appendleft(InFlightStep(sample_future, scheduler_output, execute_future))
@@ -193,17 +197,33 @@ class EngineCore:
                     return []
         elif not queue:
             return []
-        oldest = queue.pop()
-        model_output = self._wait(oldest.sample_future)
-        if oldest.sample_future is not oldest.execute_future:
-            self._wait(oldest.execute_future)  # surfaces a forward-pass failure
-        self._process_aborts()
-        outputs = self._update(oldest.scheduler_output, model_output)
+        outputs = self._process_oldest()
         if deferred is not None:
             assert execute_future is not None
-            sample_future = self.executor.sample_tokens(self.scheduler.get_grammar_bitmask(deferred))
+            while queue:
+                outputs += self._process_oldest()
+            sample_future = self.executor.sample_tokens(self._grammar_bitmask(deferred))
             queue.appendleft(InFlightStep(sample_future, deferred, execute_future))
         return outputs
+
+    def _process_oldest(self) -> list[EngineCoreOutput]:
+        """Wait for the oldest in-flight step (and its forward pass, which surfaces a failure), apply
+        the aborts that arrived meanwhile, and process its output."""
+        oldest = self.batch_queue.pop()
+        model_output = self._wait(oldest.sample_future)
+        if oldest.sample_future is not oldest.execute_future:
+            self._wait(oldest.execute_future)
+        self._process_aborts()
+        return self._update(oldest.scheduler_output, model_output)
+
+    def _grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarOutput | None:
+        start = time.monotonic()
+        grammar = self.scheduler.get_grammar_bitmask(scheduler_output)
+        if grammar is not None and self._trace:
+            self._trace_events.append(TraceEvent(
+                "grammar_bitmask", "engine", start, time.monotonic(),
+                {"step": scheduler_output.step_id, "reqs": len(grammar.structured_output_request_ids)}))
+        return grammar
 
     def _schedule(self) -> SchedulerOutput:
         start = time.monotonic()
@@ -290,4 +310,15 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.batch_queue.clear()
+        if self.scheduler.structured_output_manager is not None:
+            self.scheduler.structured_output_manager.shutdown()
         self.executor.shutdown()
+
+
+def make_structured_output_manager(model_config: ModelConfig) -> StructuredOutputManager:
+    """Grammars over the model's vocabulary; a complete grammar allows only the model's end tokens.
+    The tokenizer loads on the first compile, off the engine's path."""
+    from stepahead.models.loader import load_tokenizer
+
+    end_ids = [i for i in (model_config.eos_token_id, *model_config.extra_eos_token_ids) if i is not None]
+    return StructuredOutputManager(functools.partial(load_tokenizer, model_config), model_config.vocab_size, end_ids)

@@ -11,6 +11,7 @@ from typing import Any
 from stepahead.config import ModelConfig
 from stepahead.request import Request, check_context_length
 from stepahead.sampling_params import SamplingParams
+from stepahead.structured_output import validate_structured_outputs
 from stepahead.validation import InvalidInputError
 
 # A prompt is text, token ids, or {"prompt_token_ids": [...]} (optionally with "prompt": its text).
@@ -28,23 +29,24 @@ def child_seed(seed: int, index: int) -> int:
     return (seed + index * _SEED_STRIDE) % (1 << 63)
 
 
-def check_supported(params: SamplingParams) -> None:
-    """Parameters the types accept but the engine cannot honour yet: refused, never silently ignored.
-
-    The one check for the offline LLM and the API server (which reports it as a 400).
-    """
-    if params.structured_outputs is not None:
+def check_structured_outputs(params: SamplingParams, backend: str) -> None:
+    """A request's grammar must be one the backend compiles; with no backend it is refused, never
+    silently ignored. The one check for the offline LLM and the API server (a 400 there)."""
+    if params.structured_outputs is None:
+        return
+    if backend == "none":
         raise InvalidInputError(
-            "structured outputs are not supported yet: stepahead has no grammar backend, so the constraint "
-            "would be ignored; remove structured_outputs (on the server also response_format "
-            "json_object/json_schema)",
+            "structured outputs are disabled on this engine (--structured-outputs-backend none); remove "
+            "structured_outputs (on the server also response_format json_object/json_schema)",
             param="structured_outputs",
         )
+    validate_structured_outputs(params.structured_outputs)
 
 
 class InputProcessor:
-    def __init__(self, model_config: ModelConfig, tokenizer: Any) -> None:
+    def __init__(self, model_config: ModelConfig, tokenizer: Any, structured_outputs_backend: str = "xgrammar") -> None:
         self.model_config = model_config
+        self.structured_outputs_backend = structured_outputs_backend
         self.tokenizer = tokenizer
         self.max_model_len = model_config.max_model_len
         # The embedding table may be padded past the tokenizer; any id the model can embed is valid.
@@ -98,7 +100,7 @@ class InputProcessor:
         return children, text
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        check_supported(params)
+        check_structured_outputs(params, self.structured_outputs_backend)
         if not prompt_ids:
             raise InvalidInputError("prompt must not be empty (it has 0 tokens)", param="prompt")
         out_of_vocab = [token_id for token_id in prompt_ids if not 0 <= token_id < self.vocab_size]

@@ -47,7 +47,8 @@ class LLM:
             except BaseException:
                 executor.shutdown()
                 raise
-        self.input_processor = InputProcessor(self.config.model_config, self.tokenizer)
+        self.input_processor = InputProcessor(self.config.model_config, self.tokenizer,
+                                              self.config.structured_outputs_backend)
         self.output_processor = OutputProcessor(self.tokenizer)
         try:
             self.engine_core = EngineCore(self.config, executor)

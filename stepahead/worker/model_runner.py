@@ -71,6 +71,7 @@ class _TokenLayout:
 class _StepState:
     """What execute_model leaves for sample_tokens."""
 
+    step_id: int
     req_ids: list[str]  # batch order
     sample_rows: list[int]
     hidden: torch.Tensor  # [num_sample_rows, hidden]
@@ -293,9 +294,10 @@ class ModelRunner:
         t1 = time.monotonic()
         hidden = self._forward(inputs).index_select(0, inputs.logits_indices)
         t2 = time.monotonic()
-        args = {"num_reqs": len(inputs.req_ids), "num_tokens": scheduler_output.total_num_scheduled_tokens}
+        args = {"step": scheduler_output.step_id, "num_reqs": len(inputs.req_ids),
+                "num_tokens": scheduler_output.total_num_scheduled_tokens}
         events = [TraceEvent("prepare_inputs", "worker", t0, t1, args), TraceEvent("forward", "worker", t1, t2, args)]
-        self._step = _StepState(inputs.req_ids, inputs.sample_rows, hidden,
+        self._step = _StepState(scheduler_output.step_id, inputs.req_ids, inputs.sample_rows, hidden,
                                 scheduler_output.total_num_scheduled_tokens, t0, events, gpu_start)
         return None
 
@@ -341,7 +343,12 @@ class ModelRunner:
             self._resolve_outputs()  # penalties read every earlier output id
         rows = [self._row_sampling(state) for state in states]
         if grammar_output is not None and grammar_output.grammar_bitmask is not None:
+            t_mask = time.monotonic()
             self._apply_grammar_bitmask(logits, step, grammar_output)
+            if self.config.trace:
+                step.events.append(TraceEvent("apply_bitmask", "worker", t_mask, time.monotonic(),
+                                              {"step": step.step_id,
+                                               "reqs": len(grammar_output.structured_output_request_ids)}))
         metadata = SamplingMetadata.from_rows(rows, logits.shape[1], logits.device) if rows else None
         if metadata is not None:
             sampled = sample(logits, metadata)
@@ -397,6 +404,6 @@ class ModelRunner:
         busy_s = t1 - step.t_start
         out = ModelRunnerOutput(step.req_ids, sampled_token_ids, logprobs, busy_s=busy_s, gpu_busy_s=busy_s)
         if self.config.trace:
-            args = {"num_reqs": len(step.req_ids), "num_tokens": step.num_tokens}
+            args = {"step": step.step_id, "num_reqs": len(step.req_ids), "num_tokens": step.num_tokens}
             out.trace_events = step.events + [TraceEvent("sample", "worker", t0, t1, args)]
         return out

@@ -26,6 +26,8 @@ with the batch. `logprobs_to_host` does the host conversion once the ids have be
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,7 +37,7 @@ from stepahead.core.sched_output import TokenLogprobs
 from stepahead.outputs import LOGPROB_FLOOR
 from stepahead.worker.sampling_metadata import RowSampling, SamplingMetadata
 
-__all__ = ["RowSampling", "SamplerOutput", "SamplingMetadata", "apply_bitmask", "counter_uniforms",
+__all__ = ["RowSampling", "SamplerOutput", "SamplingMetadata", "apply_bitmask", "apply_bitmask_torch", "counter_uniforms",
            "logprobs_to_host", "sample", "sample_rows"]
 
 TOP_CANDIDATES = 256  # with candidate_search, top-k/top-p rows sample among this many unless wider
@@ -96,9 +98,38 @@ def _random_uniforms(md: SamplingMetadata, device: torch.device) -> torch.Tensor
 def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor | list[int],
                   bitmask: np.ndarray | torch.Tensor | None) -> None:
     """Bit j of word w of bitmask[i] allows token 32*w + j of row rows[i]; every other token of those
-    rows is set to -inf. bitmask: int32 [len(rows), words] (extra rows ignored), numpy or tensor."""
+    rows (also any the bitmask has no bit for) is set to -inf. bitmask: int32 [len(rows), words]
+    (extra rows ignored), numpy or tensor. xgrammar's kernel (C++ on CPU, CUDA on GPU) when it is
+    installed, else torch."""
     if bitmask is None or len(rows) == 0:
         return
+    kernel = _xgrammar_kernel()
+    if kernel is None:
+        apply_bitmask_torch(logits, rows, bitmask)
+        return
+    # The kernel reads row r of the mask for logits row r: lay the masks out by logits row, one word
+    # per 32 tokens of the vocabulary (missing words allow nothing).
+    rows = torch.as_tensor(rows).tolist() if isinstance(rows, torch.Tensor) else list(rows)
+    host = bitmask.cpu().numpy() if isinstance(bitmask, torch.Tensor) else np.asarray(bitmask, dtype=np.int32)
+    num_words = (logits.shape[1] + 31) // 32
+    full = np.zeros((logits.shape[0], num_words), dtype=np.int32)
+    width = min(num_words, host.shape[1])
+    full[rows, :width] = host[:len(rows), :width]
+    kernel(logits, _to_device(full, logits.device), vocab_size=logits.shape[1], indices=rows)
+
+
+@functools.cache
+def _xgrammar_kernel() -> Callable | None:
+    try:
+        import xgrammar
+    except ImportError:
+        return None
+    return xgrammar.apply_token_bitmask_inplace
+
+
+def apply_bitmask_torch(logits: torch.Tensor, rows: torch.Tensor | list[int],
+                        bitmask: np.ndarray | torch.Tensor) -> None:
+    """apply_bitmask in plain torch: the path without xgrammar."""
     dev, vocab, n = logits.device, logits.shape[1], len(rows)
     if isinstance(rows, torch.Tensor) or isinstance(bitmask, torch.Tensor):
         idx = torch.as_tensor(rows).to(dev, torch.int64)

@@ -71,6 +71,9 @@ def make_engine(*, async_scheduling: bool = True, depth: int | None = None, bloc
         async_scheduling=async_scheduling,
         max_concurrent_batches=depth if depth is not None else (2 if async_scheduling else 1),
         executor="uni", device="cpu", trace=trace,
+        # The scripted model has no tokenizer to compile grammars against: steps holding a grammar
+        # still defer their sampling, unconstrained.
+        structured_outputs_backend="none",
     )
     executor = FakeExecutor(ScriptedModel(eos_token_id=EOS, eos_at=dict(eos_at or {})), block_size, num_blocks,
                             **executor_kw)

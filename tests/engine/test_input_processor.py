@@ -100,9 +100,12 @@ def test_errors_are_typed_and_name_the_field(processor, prompt, param):
     assert raised.value.param == param and isinstance(raised.value, ValueError)
 
 
-def test_structured_outputs_are_refused(processor):
-    """The one check the offline LLM and the server share: a constraint would otherwise be ignored."""
+def test_structured_outputs_are_refused_without_a_backend(processor):
+    """--structured-outputs-backend none: a constraint is an error, never ignored."""
+    none = InputProcessor(processor.model_config, processor.tokenizer, structured_outputs_backend="none")
     params = SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+"))
-    with pytest.raises(InvalidInputError, match="structured outputs are not supported yet") as raised:
-        processor.process("r", [5, 6], params)
+    with pytest.raises(InvalidInputError, match="structured outputs are disabled") as raised:
+        none.process("r", [5, 6], params)
     assert raised.value.param == "structured_outputs"
+    requests, _ = processor.process("r", [5, 6], params)  # the default backend takes it
+    assert requests[0].use_structured_output

@@ -50,12 +50,17 @@ def test_bad_request_leaves_a_stream_in_flight_untouched(llm, expected):
     assert [t for d in [first, *rest] for t in d.outputs[0].token_ids] == expected
 
 
-@pytest.mark.parametrize("constraint", [{"regex": "a+"}, {"json": {"type": "object"}}, {"choice": ["yes", "no"]}])
-def test_structured_outputs_are_refused_not_ignored(llm, expected, constraint):
-    """No grammar backend is built in: a constraint is an error, never unconstrained text."""
+@pytest.mark.parametrize("constraint, match", [
+    ({"regex": "a["}, r"invalid regex in structured_outputs: Regex parsing error at position 3: Unclosed '\['"),
+    ({"json": {"type": "bogus"}}, 'invalid JSON schema in structured_outputs: Unsupported type "bogus"'),
+    ({"json": "{not json"}, "invalid JSON schema in structured_outputs: Expecting property name"),
+    ({"grammar": "root ::= "}, "invalid grammar in structured_outputs: EBNF parser error at line 1"),
+])
+def test_bad_grammar_raises_before_anything_is_queued(llm, expected, constraint, match):
+    """The compiler's message, as a ValueError, before anything of the batch runs."""
     params = SamplingParams(max_tokens=6, structured_outputs=StructuredOutputsParams(**constraint))
     before = llm.stats()
-    with pytest.raises(InvalidInputError, match="structured outputs are not supported yet") as raised:
+    with pytest.raises(InvalidInputError, match=match) as raised:
         llm.generate([GOOD, GOOD], [PARAMS, params], use_tqdm=False)
     assert raised.value.param == "structured_outputs" and isinstance(raised.value, ValueError)
     assert llm.stats().prompt_tokens == before.prompt_tokens  # nothing of the batch ran

@@ -18,6 +18,7 @@ from stepahead.worker.sampler import (
     RowSampling,
     SamplingMetadata,
     apply_bitmask,
+    apply_bitmask_torch,
     counter_uniforms,
     logprobs_to_host,
     sample,
@@ -386,10 +387,11 @@ def test_bitmask_matches_reference():
         mask = rng.integers(-(2**31), 2**31, size=(len(rows), words), dtype=np.int64).astype(np.int32)
         expected = x.clone()
         reference_sampler.apply_bitmask(expected, rows, mask)
-        for r, m in ((rows, mask), (torch.tensor(rows), mask), (rows, torch.from_numpy(mask))):
-            got = x.clone()
-            apply_bitmask(got, r, m)
-            assert torch.equal(got, expected)
+        for apply in (apply_bitmask, apply_bitmask_torch):  # xgrammar's kernel, and the path without it
+            for r, m in ((rows, mask), (torch.tensor(rows), mask), (rows, torch.from_numpy(mask))):
+                got = x.clone()
+                apply(got, r, m)
+                assert torch.equal(got, expected)
         assert torch.isinf(expected[rows]).any() and torch.equal(expected[[1, 3]], x[[1, 3]])
 
 

@@ -34,10 +34,13 @@ class StreamOptions(OpenAIRequest):
 
 
 class StructuredOutputs(OpenAIRequest):
+    """vLLM's `structured_outputs` extra field: exactly one constraint."""
+
     json_schema: dict[str, Any] | str | None = Field(default=None, alias="json")
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    json_object: bool | None = None
 
 
 class ResponseFormat(OpenAIRequest):
@@ -71,6 +74,11 @@ class SamplingFields(OpenAIRequest):
     user: str | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    # vLLM's older spellings of structured_outputs' fields.
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(SamplingFields):

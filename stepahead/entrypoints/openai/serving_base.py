@@ -90,7 +90,7 @@ class OpenAIServing:
         try:
             return self.engine.add_request(request_id, prompt, params, stream)
         except InvalidInputError as e:
-            if e.param == "structured_outputs" and req.structured_outputs is None:
+            if e.param == "structured_outputs" and req.response_format is not None and req.response_format.type != "text":
                 e.param = "response_format"  # the client asked through OpenAI's field
             raise
 

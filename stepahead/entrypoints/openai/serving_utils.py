@@ -76,23 +76,31 @@ def reject_unsupported(req: SamplingFields) -> None:
 
 
 def structured_outputs_of(req: SamplingFields) -> StructuredOutputsParams | None:
-    """The grammar constraint of response_format or structured_outputs (whether the engine supports it
-    is the input processor's check, shared with the offline LLM)."""
+    """The grammar constraint of response_format, structured_outputs or the guided_* fields (whether
+    the engine takes it is the input processor's check, shared with the offline LLM)."""
     structured = req.structured_outputs
+    guided = {name: value for name in ("json", "regex", "choice", "grammar")
+              if (value := getattr(req, f"guided_{name}")) is not None}
     response_format = req.response_format
-    if response_format is not None and response_format.type != "text":
-        if structured is not None:
-            raise APIError("Only one of response_format and structured_outputs may be set", 400, "response_format")
+    asked = [name for name, given in (("response_format", response_format is not None and response_format.type != "text"),
+                                      ("structured_outputs", structured is not None),
+                                      ("guided_*", bool(guided))) if given]
+    if len(asked) > 1:
+        raise APIError(f"Only one of response_format, structured_outputs and guided_* may be set, got {asked}",
+                       400, "structured_outputs")
+    if asked == ["response_format"]:
         if response_format.type == "json_object":
-            return StructuredOutputsParams(json={"type": "object"})
+            return StructuredOutputsParams(json_object=True)
         schema = (response_format.json_schema or {}).get("schema")
         if schema is None:
             raise APIError("response_format.json_schema.schema is required", 400, "response_format")
         return StructuredOutputsParams(json=schema)
+    if guided:
+        return StructuredOutputsParams(**guided)
     if structured is None:
         return None
     return StructuredOutputsParams(json=structured.json_schema, regex=structured.regex, choice=structured.choice,
-                                   grammar=structured.grammar)
+                                   grammar=structured.grammar, json_object=structured.json_object)
 
 
 def sampling_params_of(req: SamplingFields, max_tokens: int | None, logprobs: int | None,

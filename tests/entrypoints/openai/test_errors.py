@@ -50,8 +50,10 @@ BAD_COMPLETIONS = [
     ({"echo": True, "logprobs": 1}, "echo", "echo"),
     ({"response_format": {"type": "bogus"}}, "response_format", ""),
     # One check in the input processor, shared with the offline LLM; the param is the field the client sent.
-    ({"response_format": {"type": "json_object"}}, "response_format", "structured outputs are not supported yet"),
-    ({"structured_outputs": {"regex": "[a-z]+"}}, "structured_outputs", "structured outputs are not supported yet"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}},
+     "response_format", 'invalid JSON schema in structured_outputs: Unsupported type "bogus"'),
+    ({"structured_outputs": {"regex": "[a-z"}}, "structured_outputs", "invalid regex in structured_outputs"),
+    ({"guided_grammar": "root ::= "}, "structured_outputs", "invalid grammar in structured_outputs"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one of"),
     ({"stream": "maybe"}, "stream", ""),
     # Strict numbers: OpenAI's ranges, integers in bounds, booleans are not token ids.
@@ -124,9 +126,10 @@ def test_non_finite_numbers_are_refused(http, number):
     ({"max_completion_tokens": 0}, "max_tokens", "max_tokens"),
     ({"max_completion_tokens": 600}, None, "maximum context length is 512 tokens"),
     ({"stop_token_ids": [VOCAB_SIZE]}, "stop_token_ids", "stop_token_ids"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}},
-     "response_format", "structured outputs are not supported yet"),
-    ({"structured_outputs": {"choice": ["yes", "no"]}}, "structured_outputs", "structured outputs are not supported yet"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format", "response_format.json_schema.schema is required"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs", "choice"),
+    ({"guided_json": {"type": "object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs", "one of"),
 ])
 def test_bad_chat_request(http, override, param, phrase):
     r = http.post("/v1/chat/completions", json={**M, **override})

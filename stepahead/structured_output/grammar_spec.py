@@ -1,0 +1,68 @@
+"""A request's constraint as the compiler sees it (a hashable GrammarSpec), and the check made when
+the request arrives, so a bad schema, regex or grammar is a ValueError (a 400 on the server) with the
+compiler's own message before anything is queued."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+from stepahead.sampling_params import StructuredOutputsParams
+from stepahead.validation import InvalidInputError
+
+# xgrammar prefixes its messages with a time and a C++ source location: "[05:37:43] /project/cpp/x.cc:94: ".
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """kind: "json" (text is a JSON schema), "json_object" (any JSON object; text is empty), "regex",
+    or "grammar" (EBNF text; a choice becomes one). Equal specs compile to the same grammar."""
+
+    kind: str
+    text: str
+
+
+def grammar_spec(params: StructuredOutputsParams) -> GrammarSpec:
+    kind = params.kind
+    if kind == "json":
+        schema = params.json
+        return GrammarSpec("json", schema if isinstance(schema, str) else json.dumps(schema, ensure_ascii=False))
+    if kind == "json_object":
+        return GrammarSpec("json_object", "")
+    if kind == "regex":
+        return GrammarSpec("regex", params.regex)
+    if kind == "choice":
+        # JSON string escapes are EBNF string escapes, so any choice text is one literal.
+        literals = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in params.choice)
+        return GrammarSpec("grammar", f"root ::= {literals}")
+    return GrammarSpec("grammar", params.grammar)
+
+
+def compiler_message(error: Exception) -> str:
+    """The compiler's message without its log prefix, on one line."""
+    lines = [_LOG_PREFIX.sub("", line).strip() for line in str(error).strip().splitlines()]
+    return " ".join(line for line in lines if line)
+
+
+_WHAT = {"json": "JSON schema", "regex": "regex", "grammar": "grammar"}
+
+
+def validate_structured_outputs(params: StructuredOutputsParams) -> GrammarSpec:
+    """Parse the constraint (no vocabulary needed: milliseconds); InvalidInputError names what is wrong."""
+    import xgrammar as xgr  # imported on the first constrained request: it takes a second
+
+    spec = grammar_spec(params)
+    try:
+        if spec.kind == "json":
+            json.loads(spec.text)
+            xgr.Grammar.from_json_schema(spec.text)
+        elif spec.kind == "regex":
+            xgr.Grammar.from_regex(spec.text)
+        elif spec.kind == "grammar":
+            xgr.Grammar.from_ebnf(spec.text)
+    except (RuntimeError, ValueError) as e:  # json.JSONDecodeError is a ValueError
+        raise InvalidInputError(f"invalid {_WHAT[spec.kind]} in structured_outputs: {compiler_message(e)}",
+                                param="structured_outputs") from e
+    return spec
