@@ -187,7 +187,7 @@ class EngineCore:
             if not executed:
                 sample_future = execute_future
             elif not scheduler_output.pending_structured_output_tokens or not queue:
-                sample_future = self.executor.sample_tokens(self._grammar_bitmask(scheduler_output))
+                sample_future = self._sample(scheduler_output)
             else:
                 # The grammars must first see the tokens in flight: sample after processing them.
                 deferred = scheduler_output
@@ -202,7 +202,7 @@ class EngineCore:
             assert execute_future is not None
             while queue:
                 outputs += self._process_oldest()
-            sample_future = self.executor.sample_tokens(self._grammar_bitmask(deferred))
+            sample_future = self._sample(deferred)
             queue.appendleft(InFlightStep(sample_future, deferred, execute_future))
         return outputs
 
@@ -215,6 +215,16 @@ class EngineCore:
             self._wait(oldest.execute_future)
         self._process_aborts()
         return self._update(oldest.scheduler_output, model_output)
+
+    def _sample(self, scheduler_output: SchedulerOutput) -> Future:
+        """Submit a step's sampling, with its grammars' bitmask."""
+        grammar = self._grammar_bitmask(scheduler_output)
+        start = time.monotonic()
+        future = self.executor.sample_tokens(grammar)
+        if self._trace:
+            self._trace_events.append(TraceEvent("sample_tokens", "engine", start, time.monotonic(),
+                                                 {"step": scheduler_output.step_id, "grammar": grammar is not None}))
+        return future
 
     def _grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarOutput | None:
         start = time.monotonic()

@@ -41,7 +41,8 @@ class GrammarCompiler:
         if spec.kind == "json":
             return compiler.compile_json_schema(spec.text, any_whitespace=self.any_whitespace)
         if spec.kind == "json_object":
-            return compiler.compile_builtin_json_grammar()
+            # OpenAI's json_object promises an object; xgrammar's built-in JSON grammar also allows arrays.
+            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=self.any_whitespace)
         if spec.kind == "regex":
             return compiler.compile_regex(spec.text)
         return compiler.compile_grammar(spec.text)

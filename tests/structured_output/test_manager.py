@@ -1,0 +1,91 @@
+"""The grammar manager with the built-in model's real tokenizer: compiles off the scheduler's path,
+shares equal compiles, and its bitmask allows exactly what the matcher accepts."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from stepahead.config import CacheConfig, SchedulerConfig
+from stepahead.core.scheduler import Scheduler
+from stepahead.models.loader import load_model_config, load_tokenizer
+from stepahead.request import Request, RequestStatus
+from stepahead.sampling_params import SamplingParams
+from stepahead.sampling_params import StructuredOutputsParams as Constraint
+from stepahead.structured_output import StructuredOutputManager
+
+
+@pytest.fixture(scope="module")
+def model_config():
+    return load_model_config(None, "cpu")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_config):
+    return load_tokenizer(model_config)
+
+
+@pytest.fixture
+def manager(model_config, tokenizer):
+    m = StructuredOutputManager(lambda: tokenizer, model_config.vocab_size, [model_config.eos_token_id])
+    yield m
+    m.shutdown()
+
+
+def _request(rid: str, constraint: Constraint | None = None) -> Request:
+    return Request(rid, [1, 2, 3], SamplingParams(max_tokens=8, structured_outputs=constraint), eos_token_id=2)
+
+
+def _allowed(bitmask_row, vocab_size: int) -> set[int]:
+    return {t for t in range(vocab_size) if (int(bitmask_row[t // 32]) >> (t % 32)) & 1}
+
+
+def test_a_compiling_grammar_waits_without_blocking_others(manager):
+    sched = Scheduler(SchedulerConfig(max_model_len=64, debug_invariants=True), CacheConfig(num_blocks=32))
+    sched.structured_output_manager = manager
+    hold = threading.Event()
+    manager._pool.submit(hold.wait)  # the compile thread is busy: the grammar below waits behind it
+    sched.add_request(_request("g", Constraint(regex="[a-z]+")))
+    sched.add_request(_request("p"))
+    assert sched.requests["g"].status == RequestStatus.WAITING_FOR_GRAMMAR
+    assert set(sched.schedule().num_scheduled_tokens) == {"p"}
+    hold.set()
+    sched.requests["g"].structured_output.compiled.result(timeout=60)
+    assert "g" in sched.schedule().num_scheduled_tokens
+    assert sched.requests["g"].status == RequestStatus.RUNNING
+
+
+def test_equal_specs_share_one_compile(manager):
+    requests = [_request(f"r{i}", Constraint(json={"type": "object"})) for i in range(3)]
+    requests.append(_request("c", Constraint(choice=["a", "b"])))
+    for r in requests:
+        manager.submit(r)
+    assert manager.num_compiles == 2
+    assert requests[0].structured_output.compiled is requests[2].structured_output.compiled
+    assert requests[0].structured_output.matcher is None  # matchers are per request, made on first use
+
+
+def test_bitmask_allows_what_the_matcher_accepts(manager, tokenizer, model_config):
+    vocab = model_config.vocab_size
+    cat_dog, digits = _request("a", Constraint(regex="(cat|dog)s?")), _request("b", Constraint(regex="[0-9]{2}"))
+    for r in (cat_dog, digits):
+        manager.submit(r)
+        r.structured_output.compiled.result(timeout=60)
+    first = manager.grammar_bitmask([cat_dog, digits])
+    assert first.shape == (2, (vocab + 31) // 32)
+    texts = {t: tokenizer.decode([t]) for t in _allowed(first[0], vocab)}
+    assert texts and all("cats".startswith(s) or "dogs".startswith(s) for s in texts.values()), texts
+    assert all(s.isdigit() for s in (tokenizer.decode([t]) for t in _allowed(first[1], vocab)))
+    assert manager.accept_tokens(cat_dog, tokenizer.encode("cat", add_special_tokens=False))
+    after = _allowed(manager.grammar_bitmask([cat_dog])[0], vocab)
+    assert 2 in after and tokenizer.encode("s", add_special_tokens=False)[0] in after  # end, or the plural
+    assert not manager.accept_tokens(digits, tokenizer.encode("x", add_special_tokens=False))
+    assert manager.accept_tokens(cat_dog, [2]) and manager.is_terminated(cat_dog)
+
+
+def test_compile_error_is_reported(manager):
+    bad = _request("bad", Constraint(grammar="root ::= undefined_rule"))
+    manager.submit(bad)
+    bad.structured_output.compiled.exception(timeout=60)
+    assert manager.is_ready(bad) and "undefined_rule" in manager.compile_error(bad)
