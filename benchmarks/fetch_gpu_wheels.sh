@@ -9,7 +9,7 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-$REPO/.venv/bin/python}"
 mkdir -p "$REPO/.whl"
 PKGS=(fastapi starlette pydantic pydantic_core annotated-types typing-inspection typing_extensions uvicorn
-      h11 click anyio sniffio idna pyzmq msgspec gguf)
+      h11 click anyio sniffio idna pyzmq msgspec gguf xgrammar apache-tvm-ffi)
 for pkg in "${PKGS[@]}"; do
   ver="$("$PY" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$pkg")"
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \

@@ -38,7 +38,7 @@ def test_trace_events_and_busy_time(tiny_llama):
     names = [e.name for e in out.trace_events]
     assert names == ["prepare_inputs", "forward", "sample"]
     assert all(e.lane == "worker" and e.end >= e.start for e in out.trace_events)
-    assert out.trace_events[0].args == {"num_reqs": 2, "num_tokens": 25}
+    assert out.trace_events[0].args == {"step": 0, "num_reqs": 2, "num_tokens": 25}
     assert out.busy_s > 0
 
 
