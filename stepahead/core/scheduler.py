@@ -40,6 +40,8 @@ class StructuredOutputBackend(Protocol):
 
     def is_terminated(self, request: Request) -> bool: ...
 
+    def wait_for_any(self, requests: list[Request], timeout: float) -> None: ...  # until one compile is done
+
 
 class Scheduler:
     """Decides, step by step, which requests run and for how many tokens; owns every unfinished request.
@@ -270,6 +272,16 @@ class Scheduler:
             return False
         request.status = RequestStatus.WAITING
         return True
+
+    def wait_for_grammars(self, timeout: float) -> None:
+        """With nothing running, block until a waiting request's grammar has compiled (at most timeout
+        seconds), instead of spinning through empty steps while the compile thread needs the CPU."""
+        if self.running or self.structured_output_manager is None:
+            return
+        compiling = [r for r in (*self.skipped_waiting, *self.waiting)
+                     if r.status == RequestStatus.WAITING_FOR_GRAMMAR]
+        if compiling:
+            self.structured_output_manager.wait_for_any(compiling, timeout)
 
     def take_error_outputs(self) -> list[EngineCoreOutput]:
         """Outputs of requests that failed before running (their grammar did not compile)."""

@@ -28,6 +28,7 @@ from stepahead.structured_output import StructuredOutputManager
 from stepahead.tracing import TraceEvent
 
 _HEALTH_POLL_S = 1.0  # how often a blocked wait asks the executor whether its worker is alive
+_GRAMMAR_WAIT_S = 0.05  # the longest an idle step waits for a compiling grammar (the step lock is held)
 
 
 class InFlightStep(NamedTuple):
@@ -238,6 +239,8 @@ class EngineCore:
     def _schedule(self) -> SchedulerOutput:
         start = time.monotonic()
         scheduler_output = self.scheduler.schedule()
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            self.scheduler.wait_for_grammars(_GRAMMAR_WAIT_S)
         if self._trace:
             self._trace_events.append(TraceEvent(
                 "schedule", "engine", start, time.monotonic(),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -71,6 +72,10 @@ class StructuredOutputManager:
     @staticmethod
     def is_ready(request: Request) -> bool:
         return request.structured_output.compiled.done()
+
+    @staticmethod
+    def wait_for_any(requests: list[Request], timeout: float) -> None:
+        futures.wait([r.structured_output.compiled for r in requests], timeout, futures.FIRST_COMPLETED)
 
     @staticmethod
     def compile_error(request: Request) -> str | None:
