@@ -31,7 +31,6 @@ MAX_CACHED_GRAMMARS = 128
 class RequestGrammar:
     """One request's grammar: its compile (shared by requests with an equal spec) and its matcher."""
 
-    spec: GrammarSpec
     compiled: Future
     matcher: Any = None  # xgrammar GrammarMatcher, made on first use
     num_accepted_tokens: int = 0
@@ -67,7 +66,7 @@ class StructuredOutputManager:
             while len(self._cache) > MAX_CACHED_GRAMMARS:
                 self._cache.popitem(last=False)
         self._cache.move_to_end(spec)
-        request.structured_output = RequestGrammar(spec, future)
+        request.structured_output = RequestGrammar(future)
 
     @staticmethod
     def is_ready(request: Request) -> bool:
