@@ -84,13 +84,30 @@ class CacheConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """How many worker ranks run the model: tensor_parallel_size x pipeline_parallel_size of them."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        check_field(self.tensor_parallel_size >= 1, "tensor_parallel_size", self.tensor_parallel_size, "must be >= 1")
+        check_field(self.pipeline_parallel_size >= 1, "pipeline_parallel_size", self.pipeline_parallel_size,
+                    "must be >= 1")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass
 class EngineConfig:
     model_config: ModelConfig
     scheduler_config: SchedulerConfig
     cache_config: CacheConfig
     async_scheduling: bool
     max_concurrent_batches: int  # batch-queue depth: 2 with async, 1 without, more to study PP
-    executor: str  # "mp" | "uni"
+    executor: str  # "mp" | "uni" | "ray"
     device: str  # "cpu" | "cuda"
     num_threads: int | None = None  # torch threads in the worker; None: decided by the executor
     trace: bool = False
@@ -101,3 +118,4 @@ class EngineConfig:
     async_output: bool = False
     # "xgrammar": requests may carry a grammar (structured outputs); "none": such requests are refused.
     structured_outputs_backend: str = "xgrammar"
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)

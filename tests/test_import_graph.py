@@ -3,7 +3,7 @@
 Every `import` and `from ... import` statement counts, at module level or inside a function, since a
 function-level import is still a dependency. Layers, lowest first:
 
-    top-level modules (config, request, sampling_params, ...) < core < worker, models, attention,
+    top-level modules (config, request, sampling_params, ...) < core < worker, models, attention, distributed,
     structured_output < executor < engine < entrypoints < bench, tools
 
 A module may import its own layer and the layers below it. bench/ and tools/ sit on top and may import
@@ -30,6 +30,7 @@ LAYERS: dict[str, int] = {
     "models": 2,
     "attention": 2,
     "structured_output": 2,
+    "distributed": 2,
     "executor": 3,
     "engine": 4,
     "entrypoints": 5,

@@ -15,6 +15,7 @@ from stepahead.config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     CacheConfig,
     EngineConfig,
+    ParallelConfig,
     SchedulerConfig,
 )
 from stepahead.utils import cdiv
@@ -23,7 +24,7 @@ from stepahead.validation import check_field
 # Allowed values of EngineArgs' string fields (the CLI offers the same as choices).
 CHOICES = {
     "dtype": ("auto", "float32", "bfloat16", "float16"),
-    "executor": ("mp", "uni"),
+    "executor": ("mp", "uni", "ray"),
     "load_format": ("auto", "safetensors", "gguf", "dummy"),
     "device": ("auto", "cpu", "cuda"),
     "attention_backend": ("auto", "sdpa", "triton"),
@@ -84,6 +85,13 @@ class EngineArgs:
     structured_outputs_backend: str = _arg(
         "xgrammar", "grammar backend for structured outputs (JSON schema, regex, choice, EBNF); 'none' refuses "
                     "requests that carry one")
+    tensor_parallel_size: int = _arg(1, "worker ranks each layer is split across (attention heads, MLP, vocabulary)")
+    pipeline_parallel_size: int = _arg(
+        1, "pipeline stages the layers are split across; that many steps are in flight (one more with async "
+           "scheduling)")
+    distributed_executor_backend: str | None = _arg(
+        None, "how worker ranks run: 'mp' (processes on this machine), 'ray' (a Ray cluster's nodes; pip install "
+              "'stepahead[ray]'), 'uni' (one worker thread); overrides --executor (default: --executor, mp)")
 
     def __post_init__(self) -> None:
         for name, allowed in CHOICES.items():
@@ -95,6 +103,15 @@ class EngineArgs:
                     self.gpu_memory_utilization, "must be in (0, 1]")
         check_field(self.max_concurrent_batches is None or self.max_concurrent_batches >= 1,
                     "max_concurrent_batches", self.max_concurrent_batches, "must be >= 1")
+        check_field(self.distributed_executor_backend in (None, "mp", "ray", "uni"), "distributed_executor_backend",
+                    self.distributed_executor_backend, "must be one of mp, ray, uni")
+        parallel = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size)
+        check_field(parallel.world_size == 1 or self.resolve_executor() != "uni", "distributed_executor_backend",
+                    "uni", f"runs one worker in the engine process; tensor_parallel_size={self.tensor_parallel_size} x "
+                           f"pipeline_parallel_size={self.pipeline_parallel_size} ranks need mp or ray")
+
+    def resolve_executor(self) -> str:
+        return self.distributed_executor_backend or self.executor
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -120,6 +137,8 @@ class EngineArgs:
             seed=self.seed, served_model_name=self.served_model_name, tokenizer=self.tokenizer,
             use_cache=self.model_cache, revision=self.revision, download_dir=self.download_dir,
             generation_config=self.generation_config, chat_template=self.chat_template)
+        parallel_config = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size)
+        check_parallel(parallel_config, model_config, device)
         max_model_len = model_config.max_model_len
         max_batched = self.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS,
                                                          0 if self.enable_chunked_prefill else max_model_len)
@@ -154,22 +173,42 @@ class EngineArgs:
         # Every executor and feature stepahead has supports async scheduling (a step holding a grammar
         # defers its sampling instead), so unset means on.
         async_scheduling = True if self.async_scheduling is None else bool(self.async_scheduling)
-        depth = self.max_concurrent_batches or (2 if async_scheduling else 1)
+        # P pipeline stages keep P steps in flight, one more with async scheduling (vLLM's batch queue).
+        depth = self.max_concurrent_batches or (parallel_config.pipeline_parallel_size + (1 if async_scheduling else 0))
         return EngineConfig(
             model_config=model_config,
             scheduler_config=scheduler_config,
             cache_config=cache_config,
             async_scheduling=async_scheduling,
             max_concurrent_batches=depth,
-            executor=self.executor,
+            executor=self.resolve_executor(),
             device=device,
             num_threads=self.num_threads,
             trace=self.trace,
             attention_backend=resolve_attention_backend(self.attention_backend, device),
             enforce_eager=self.enforce_eager,
-            async_output=device == "cuda" if self.async_output is None else self.async_output,
+            # One rank only: with more, outputs come back from the sampler rank synchronously.
+            async_output=(device == "cuda" if self.async_output is None else self.async_output)
+            and parallel_config.world_size == 1,
             structured_outputs_backend=self.structured_outputs_backend,
+            parallel_config=parallel_config,
         )
+
+
+def check_parallel(parallel: ParallelConfig, model_config, device: str) -> None:
+    """Sizes that do not split the model, or more ranks than CUDA devices: a ValueError naming the numbers."""
+    from stepahead.models.llama import LlamaArgs, check_parallel_sizes
+
+    margs = LlamaArgs.from_hf_config(model_config.architecture, model_config.hf_config)
+    check_parallel_sizes(margs, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
+    if device == "cuda" and parallel.world_size > 1:
+        import torch
+
+        available = torch.cuda.device_count()
+        if parallel.world_size > available:
+            raise ValueError(f"tensor_parallel_size={parallel.tensor_parallel_size} x pipeline_parallel_size="
+                             f"{parallel.pipeline_parallel_size} needs {parallel.world_size} CUDA devices, "
+                             f"{available} visible (NCCL puts one rank on each device)")
 
 
 def resolve_attention_backend(name: str, device: str) -> str:

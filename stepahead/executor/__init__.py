@@ -1,4 +1,5 @@
-"""How workers are run: "uni" (a thread of the engine process) or "mp" (a spawned worker process)."""
+"""How workers are run: "uni" (a thread of the engine process), "mp" (a spawned worker process, one per
+rank with tensor/pipeline parallelism) or "ray" (worker ranks as Ray actors on a cluster's nodes)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,17 @@ from stepahead.executor.abstract import Executor
 
 
 def make_executor(config: EngineConfig) -> Executor:
+    if config.executor == "ray":
+        from stepahead.executor.ray_executor import RayExecutor  # ray is imported only when chosen
+
+        return RayExecutor(config)
+    if config.parallel_config.world_size > 1:
+        if config.executor != "mp":
+            raise ValueError(f"executor {config.executor!r} runs one worker; tensor/pipeline parallelism needs "
+                             "'mp' or 'ray'")
+        from stepahead.executor.mp_ranks import MultiprocRanksExecutor
+
+        return MultiprocRanksExecutor(config)
     if config.executor == "uni":
         from stepahead.executor.uni import UniProcExecutor
 
@@ -15,7 +27,7 @@ def make_executor(config: EngineConfig) -> Executor:
         from stepahead.executor.mp import MultiprocExecutor
 
         return MultiprocExecutor(config)
-    raise ValueError(f"executor must be 'mp' or 'uni', got {config.executor!r}")
+    raise ValueError(f"executor must be 'mp', 'uni' or 'ray', got {config.executor!r}")
 
 
 __all__ = ["Executor", "make_executor"]

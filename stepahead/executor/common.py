@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from stepahead.config import EngineConfig
@@ -71,17 +72,37 @@ class RunnerCalls:
         }
         self._timer = StepTimer()
         self.num_kv_blocks: int | None = getattr(runner, "num_kv_blocks", None)
+        # Only the sampler rank's outputs go back to the engine; other ranks report only failures.
+        self.reports_outputs = True
 
     def __call__(self, method: str, arg: Any) -> ModelRunnerOutput | None:
         started = time.perf_counter()
         return self._timer.record(started, self._methods[method](arg))
 
 
-def load_runner(config: EngineConfig, num_threads: int) -> RunnerCalls:
-    """Set the process's torch threads, load the model, and serve calls on it."""
+@dataclass(frozen=True)
+class RankSpec:
+    """One worker rank of a tensor/pipeline-parallel model, and where the ranks meet (a TCP store)."""
+
+    rank: int
+    master_addr: str
+    master_port: int
+
+
+def load_runner(config: EngineConfig, num_threads: int, rank: RankSpec | None = None) -> RunnerCalls:
+    """Set the process's torch threads, join the other ranks (if any), load the model, and serve calls on it."""
     import torch
 
     torch.set_num_threads(num_threads)  # process-wide: for uni the engine thread shares this process
     from stepahead.worker.model_runner import ModelRunner
 
-    return RunnerCalls(ModelRunner(config))
+    if rank is None:
+        return RunnerCalls(ModelRunner(config))
+    from stepahead.distributed.state import init_parallel_state
+
+    p = config.parallel_config
+    ps = init_parallel_state(rank.rank, p.tensor_parallel_size, p.pipeline_parallel_size, rank.master_addr,
+                             rank.master_port, config.device)
+    calls = RunnerCalls(ModelRunner(config, ps))
+    calls.reports_outputs = ps.is_sampler
+    return calls

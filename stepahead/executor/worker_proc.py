@@ -24,18 +24,21 @@ import traceback
 from multiprocessing.connection import Connection
 
 from stepahead.config import EngineConfig
-from stepahead.executor.common import load_runner
+from stepahead.executor.common import RankSpec, load_runner
 from stepahead.executor.output_resolver import OutputResolver
 
 EXIT_ON_ERROR = 3
 
 
-def worker_main(config: EngineConfig, num_threads: int, calls: Connection, results: Connection) -> None:
+def worker_main(config: EngineConfig, num_threads: int, calls: Connection, results: Connection,
+                rank: RankSpec | None = None) -> None:
+    """rank: this process's place among tensor/pipeline-parallel ranks (None: the only worker). A rank
+    other than the sampler sends "ready" and "error" but no outputs (the engine reads the sampler's)."""
     # Ctrl-C reaches the whole process group; the engine process decides what it means (abort a
     # request, shut down), so the worker must not die of it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        run_call = load_runner(config, num_threads)
+        run_call = load_runner(config, num_threads, rank)
     except BaseException:  # noqa: BLE001 - reported to the engine, which raises it to the user
         results.send(("error", f"loading the model failed:\n{traceback.format_exc()}"))
         raise SystemExit(EXIT_ON_ERROR) from None
@@ -49,6 +52,7 @@ def worker_main(config: EngineConfig, num_threads: int, calls: Connection, resul
 
         resolver = OutputResolver(lambda output: results.send(("ok", [output])), resolve_failed)
     held: list = []  # outputs not sent yet, in call order
+    reports = run_call.reports_outputs
     while True:
         if held and not calls.poll():  # about to block: the engine may be waiting on these
             results.send(("ok", held))
@@ -70,6 +74,8 @@ def worker_main(config: EngineConfig, num_threads: int, calls: Connection, resul
             raise SystemExit(EXIT_ON_ERROR) from None
         if resolver is not None:
             resolver.put(output)
+            continue
+        if not reports:
             continue
         held.append(output)
         if output is not None:  # a step's result: the engine needs it to schedule the step after next

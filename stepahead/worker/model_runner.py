@@ -25,6 +25,8 @@ from stepahead.attention.sdpa import SdpaBackend
 from stepahead.attention.triton_backend import TritonBackend
 from stepahead.config import EngineConfig
 from stepahead.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from stepahead.distributed import comm
+from stepahead.distributed.state import SINGLE, ParallelState
 from stepahead.models.loader import TORCH_DTYPES, load_model
 from stepahead.tracing import TraceEvent
 from stepahead.utils import cdiv
@@ -32,6 +34,7 @@ from stepahead.worker import kv_memory
 from stepahead.worker.async_output import AsyncModelRunnerOutput, copy_to_host
 from stepahead.worker.cuda_graphs import DecodeBatch, DecodeGraphs
 from stepahead.worker.request_state import CachedRequestState
+from stepahead.worker.sampled_feed import SampledTokenFeed
 from stepahead.worker.sampler import SamplerOutput, apply_bitmask, logprobs_to_host, sample
 from stepahead.worker.sampling_metadata import RowSampling, SamplingMetadata
 from stepahead.worker.staging import StagingBuffer
@@ -74,7 +77,7 @@ class _StepState:
     step_id: int
     req_ids: list[str]  # batch order
     sample_rows: list[int]
-    hidden: torch.Tensor  # [num_sample_rows, hidden]
+    hidden: torch.Tensor | None  # [num_sample_rows, hidden]; None on a pipeline stage before the last
     num_tokens: int
     t_start: float
     events: list[TraceEvent]
@@ -89,8 +92,10 @@ class ModelRunner:
     rather than computing on tokens it does not hold.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, ps: ParallelState = SINGLE) -> None:
         self.config = config
+        # This rank's place among tensor and pipeline ranks (docs/design.md, "Tensor and pipeline parallelism").
+        self.ps = ps
         model_config, cache_config, sched_config = config.model_config, config.cache_config, config.scheduler_config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -98,7 +103,7 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = TORCH_DTYPES[model_config.dtype]
         self.block_size = cache_config.block_size
-        self.model = load_model(model_config, config.device)
+        self.model = load_model(model_config, config.device, ps)
         self.vocab_size = model_config.vocab_size
         self.eos_token_ids = [i for i in (model_config.eos_token_id, *model_config.extra_eos_token_ids) if i is not None]
         max_blocks_per_seq = cdiv(sched_config.max_model_len, cache_config.block_size)
@@ -116,12 +121,17 @@ class ModelRunner:
         if cache_config.gpu_memory_utilization is not None:
             self.num_kv_blocks = kv_memory.blocks_from_memory(self, cache_config.gpu_memory_utilization,
                                                               max_blocks_per_seq)
+            if ps.world_size > 1:  # every rank holds the same block ids: the smallest pool fits all
+                blocks = torch.tensor([self.num_kv_blocks], device=self.device)
+                torch.distributed.all_reduce(blocks, op=torch.distributed.ReduceOp.MIN, group=ps.world_group)
+                self.num_kv_blocks = int(blocks.item())
         elif self.device.type == "cuda":  # compile the kernels a prefill uses before the first request
             kv_memory.dummy_step(self, min(64, sched_config.max_num_batched_tokens, 2 * sched_config.max_model_len), 2)
         self.kv_cache = self.new_kv_cache(self.num_kv_blocks)
         # Decode-only steps replay a captured forward pass: CUDA with the Triton backend, unless eager.
         self.decode_graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and config.attention_backend == "triton" and not config.enforce_eager:
+        if (self.device.type == "cuda" and config.attention_backend == "triton" and not config.enforce_eager
+                and ps.world_size == 1):
             self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, sched_config.max_num_seqs,
                                               max_blocks_per_seq, self.device)
             self.decode_graphs.capture()
@@ -131,15 +141,22 @@ class ModelRunner:
         self.prev_req_id_to_row: dict[str, int] = {}
         self._step: _StepState | None = None
         # Async outputs: sample_tokens returns before the sampled ids reach the host (see async_output.py).
-        self.async_output = config.async_output
+        self.async_output = config.async_output and ps.world_size == 1
         self._unresolved: list[AsyncModelRunnerOutput] = []
+        # Ranks but one: the sampler's tokens arrive by broadcast (worker/sampled_feed.py).
+        self.feed = SampledTokenFeed(ps, self.device) if ps.world_size > 1 else None
+        self._recv_hidden: torch.Tensor | None = None  # a later stage's input from the stage before
+        if not ps.is_first_stage:
+            self._recv_hidden = torch.empty(sched_config.max_num_batched_tokens, self.model.args.hidden_size,
+                                            dtype=self.dtype, device=self.device)
 
     # ---- the KV pool ----
 
     def new_kv_cache(self, num_blocks: int) -> PagedKVCache:
+        """The KV of this rank's layers (its pipeline stage's) and KV heads (its tensor shard)."""
         m = self.config.model_config
-        return PagedKVCache(m.num_layers, num_blocks, self.block_size, m.num_kv_heads, m.head_dim, self.dtype,
-                            self.device)
+        return PagedKVCache(len(self.model.layers), num_blocks, self.block_size, self.model.shard.num_kv_heads,
+                            m.head_dim, self.dtype, self.device)
 
     # ---- state updates from the scheduler's diffs ----
 
@@ -275,7 +292,18 @@ class ModelRunner:
             size = graphs.padded_size(num_tokens)
             if size is not None:
                 return graphs.run(DecodeBatch(inputs.input_ids, inputs.positions, inputs.attn_metadata), size)
-        return self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn_metadata)
+        if self._recv_hidden is None:
+            return self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn_metadata)
+        hidden = comm.recv_hidden(self._recv_hidden[:num_tokens], self.ps)
+        return self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn_metadata, hidden)
+
+    def _take_sampled_tokens(self, scheduler_output: SchedulerOutput) -> None:
+        """A rank that does not sample applies the broadcast tokens this step's requests need."""
+        cached = scheduler_output.scheduled_cached_reqs
+        touched = [*scheduler_output.num_scheduled_tokens, *scheduler_output.finished_req_ids, *cached.req_ids]
+        applied = self.feed.apply_through(touched)
+        if applied is not None:
+            self.prev_sampled_token_ids, self.prev_req_id_to_row = applied
 
     # ---- the two-phase step ----
 
@@ -283,6 +311,8 @@ class ModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         t0 = time.monotonic()
         self._resolve_outputs(keep_latest=True)
+        if self.feed is not None and not self.ps.is_sampler:
+            self._take_sampled_tokens(scheduler_output)
         self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput.empty()
@@ -292,7 +322,12 @@ class ModelRunner:
             gpu_start.record()
         inputs = self._prepare_inputs(scheduler_output)
         t1 = time.monotonic()
-        hidden = self._forward(inputs).index_select(0, inputs.logits_indices)
+        hidden = self._forward(inputs)
+        if self.ps.is_last_stage:
+            hidden = hidden.index_select(0, inputs.logits_indices)
+        else:
+            comm.send_hidden(hidden, self.ps)
+            hidden = None
         t2 = time.monotonic()
         args = {"step": scheduler_output.step_id, "num_reqs": len(inputs.req_ids),
                 "num_tokens": scheduler_output.total_num_scheduled_tokens}
@@ -337,8 +372,13 @@ class ModelRunner:
         if step is None:
             raise RuntimeError("sample_tokens called without a preceding execute_model that ran a forward")
         t0 = time.monotonic()
-        logits = self.model.compute_logits(step.hidden).float()
         states = [self.requests[step.req_ids[b]] for b in step.sample_rows]
+        if self.feed is not None and not self.ps.is_sampler:
+            if self.ps.is_last_stage:
+                self.model.compute_logits(step.hidden)  # its part of the tensor ranks' all-gather
+            self.feed.expect(states, [step.req_ids[b] for b in step.sample_rows])
+            return ModelRunnerOutput.empty()
+        logits = self.model.compute_logits(step.hidden).float()
         if any(state.sampling_params.uses_penalties for state in states):
             self._resolve_outputs()  # penalties read every earlier output id
         rows = [self._row_sampling(state) for state in states]
@@ -355,6 +395,8 @@ class ModelRunner:
         else:
             sampled = SamplerOutput(torch.empty(0, dtype=torch.long, device=self.device))
         self.prev_sampled_token_ids = sampled.sampled_token_ids
+        if self.feed is not None:
+            self.feed.send(sampled.sampled_token_ids)
         self.prev_req_id_to_row = {step.req_ids[b]: i for i, b in enumerate(step.sample_rows)}
         if not self.async_output:
             ids = sampled.sampled_token_ids.tolist()

@@ -1,0 +1,98 @@
+"""Tensor-parallel layers of the Llama family (Megatron's split), each an nn.Module with the [out, in]
+`.weight` (and `.bias`) of nn.Linear / nn.Embedding, holding only this rank's shard.
+
+ParallelLinear is the common base: find every linear layer of a built model with
+`isinstance(m, ParallelLinear)` (a quantized variant may replace one by its weights). At tp_size 1
+each layer runs exactly nn.Linear's / nn.Embedding's op on the full weight, so single-rank outputs
+are bit-identical to plain torch layers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from stepahead.distributed.comm import tp_all_gather_last_dim, tp_all_reduce
+from stepahead.distributed.state import SINGLE, ParallelState
+from stepahead.utils import cdiv
+
+
+class ParallelLinear(nn.Linear):
+    """nn.Linear over this rank's shard. `shard_dim` is the weight dimension split across ranks
+    (0: output features, column-parallel; 1: input features, row-parallel)."""
+
+    shard_dim = 0
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, ps: ParallelState = SINGLE) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.ps = ps
+
+
+class ColumnParallelLinear(ParallelLinear):
+    """Output features split across the stage's ranks; each rank keeps its slice of the output (no comm)."""
+
+    shard_dim = 0
+
+
+class RowParallelLinear(ParallelLinear):
+    """Input features split across ranks; the partial products are summed with an all-reduce.
+    The bias (if any) is added once, after the sum."""
+
+    shard_dim = 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ps.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        out = tp_all_reduce(F.linear(x, self.weight), self.ps)
+        return out if self.bias is None else out + self.bias
+
+
+def vocab_shard(vocab_size: int, ps: ParallelState) -> tuple[int, int]:
+    """(first id, ids per rank) of this rank's slice of the vocabulary; the last slice is padded."""
+    per_rank = cdiv(vocab_size, ps.tp_size)
+    return ps.tp_rank * per_rank, per_rank
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows of the vocabulary split across ranks: each looks up the ids it holds, zeroes the rest, all-reduce."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, ps: ParallelState = SINGLE) -> None:
+        super().__init__()
+        self.ps = ps
+        self.vocab_size = vocab_size
+        self.vocab_start, per_rank = vocab_shard(vocab_size, ps)
+        self.weight = nn.Parameter(torch.empty(per_rank, hidden_size))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.ps.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0.0)
+        return tp_all_reduce(out, self.ps)
+
+
+class ParallelLMHead(nn.Module):
+    """Logits of this rank's vocabulary slice, gathered across ranks into the full [T, vocab_size] row.
+
+    `weight` is its own shard, or the tied embedding's (same split)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, ps: ParallelState = SINGLE,
+                 tied: VocabParallelEmbedding | None = None) -> None:
+        super().__init__()
+        self.ps = ps
+        self.vocab_size = vocab_size
+        self._tied = [tied] if tied is not None else []  # a list: not registered as a submodule twice
+        if tied is None:
+            self.weight = nn.Parameter(torch.empty(vocab_shard(vocab_size, ps)[1], hidden_size))
+
+    def shard_weight(self) -> torch.Tensor:
+        return self._tied[0].weight if self._tied else self.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.shard_weight())
+        if self.ps.tp_size == 1:
+            return logits
+        return tp_all_gather_last_dim(logits, self.ps)[..., : self.vocab_size]
