@@ -1,0 +1,71 @@
+"""Tensor- and pipeline-parallel runs on real worker ranks (gloo, CPU) give the tokens one rank gives.
+
+float32 tiny models; every configuration is compared with the single-rank (uni) baseline, greedy and
+seeded sampling. With P pipeline stages the batch queue is P deep (P + 1 with async scheduling), so
+the pipeline configurations also check the placeholder and EOS-waste accounting at depth 2 and 3.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from stepahead import LLM, SamplingParams
+from tests.distributed.conftest import GREEDY, MAX_MODEL_LEN, SEEDED, prompts, token_ids
+
+CONFIGS = {
+    "tp2": dict(tensor_parallel_size=2),  # async, depth 2
+    "pp2_async": dict(pipeline_parallel_size=2),  # depth 3
+    "pp2_sync": dict(pipeline_parallel_size=2, async_scheduling=False),  # depth 2
+    "tp2_pp2": dict(tensor_parallel_size=2, pipeline_parallel_size=2),  # 4 ranks, depth 3
+}
+# Finishes on a stop token: the steps already in flight for the request are wasted. Async scheduling
+# schedules a request into every step in flight (depth - 1 wasted); sync never schedules it twice.
+EXPECTED_WASTE_PER_STOP = {"tp2": 1, "pp2_async": 2, "pp2_sync": 0}
+
+
+def _stop_params(greedy: list[list[int]]) -> list[SamplingParams]:
+    """A stop token per prompt: its greedy output's first token at index >= 3 not seen before."""
+    params = []
+    for toks in greedy:
+        i = next(i for i in range(3, len(toks)) if toks[i] not in toks[:i])
+        params.append(SamplingParams(max_tokens=MAX_MODEL_LEN // 2, temperature=0.0, stop_token_ids=[toks[i]]))
+    return params
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_llama_parallel_equals_one_rank(tiny_llama, single_rank_tokens, name):
+    greedy, seeded = single_rank_tokens["llama"]
+    with LLM(str(tiny_llama), max_model_len=MAX_MODEL_LEN, **CONFIGS[name]) as llm:
+        p = llm.config.parallel_config
+        assert llm.config.max_concurrent_batches == p.pipeline_parallel_size + int(llm.config.async_scheduling)
+        assert token_ids(llm, GREEDY) == greedy
+        if name == "tp2_pp2":
+            return  # four ranks on the build machine's cores: greedy only, to keep the suite short
+        assert token_ids(llm, SEEDED) == seeded
+        before = llm.stats().wasted_request_steps
+        outs = llm.generate(prompts(), _stop_params(greedy), use_tqdm=False)
+        assert all(o.outputs[0].finish_reason == "stop" for o in outs)
+        assert llm.stats().wasted_request_steps - before == EXPECTED_WASTE_PER_STOP[name] * len(outs)
+
+
+def test_qwen3_tensor_parallel_equals_one_rank(tiny_qwen3, single_rank_tokens):
+    greedy, seeded = single_rank_tokens["qwen3"]
+    with LLM(str(tiny_qwen3), max_model_len=MAX_MODEL_LEN, tensor_parallel_size=2) as llm:
+        assert token_ids(llm, GREEDY) == greedy
+        assert token_ids(llm, SEEDED) == seeded
+
+
+def test_pipeline_depth3_preemption_and_abort_in_flight(tiny_llama, single_rank_tokens):
+    """At PP=2 depth 3 with a pool too small for every request: preemption (and the stale outputs of
+    steps still in flight when a request is preempted) and an abort while its steps are in flight
+    leave the other requests' tokens as one rank computes them."""
+    greedy, seeded = single_rank_tokens["llama"]
+    with LLM(str(tiny_llama), max_model_len=MAX_MODEL_LEN, pipeline_parallel_size=2, num_kv_blocks=10) as llm:
+        assert llm.config.max_concurrent_batches == 3
+        stream = llm.generate_stream(prompts()[2], SamplingParams(max_tokens=40, temperature=0.0))
+        for _ in range(3):
+            next(stream)
+        stream.close()  # aborted with steps in flight
+        assert token_ids(llm, GREEDY) == greedy
+        assert token_ids(llm, SEEDED) == seeded
+        assert llm.stats().preemptions > 0
