@@ -20,7 +20,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
 from stepahead.bench.trace import busy_seconds, forward_events  # noqa: E402
-from stepahead.tracing import LANES, TraceEvent  # noqa: E402
+from stepahead.tracing import TraceEvent  # noqa: E402
 
 # Fixed colours for the events the engine and worker emit; anything else takes the next colour of the cycle.
 KNOWN_COLORS = {
@@ -52,6 +52,10 @@ class Window:
 def steady_window(events: Sequence[TraceEvent], num_steps: int) -> Window:
     """num_steps consecutive forward passes centred in the run (skips start-up and drain)."""
     forwards = forward_events(events)
+    stages = {e.args.get("stage") for e in forwards}
+    if len(stages) > 1:  # pipeline parallel: a step is the last stage's forward
+        last = max(stages)
+        forwards = [e for e in forwards if e.args.get("stage") == last]
     if not forwards:
         raise ValueError("trace has no worker 'forward' event: was the engine built with trace=True?")
     shown_steps = max(1, min(num_steps, len(forwards)))
@@ -61,6 +65,21 @@ def steady_window(events: Sequence[TraceEvent], num_steps: int) -> Window:
     span_s = chosen[-1].end - chosen[0].start
     lead_s = span_s / (2 * shown_steps) if shown_steps > 1 else chosen[0].duration * 0.25
     return Window(chosen[0].start - lead_s, chosen[-1].end, shown_steps)
+
+
+# Pipeline stages waiting on each other: drawn, but not counted as busy.
+WAIT_EVENTS = ("wait_hidden", "send_hidden", "wait_tokens")
+
+
+def lanes_of(events: Sequence[TraceEvent]) -> list[tuple[str, list[TraceEvent]]]:
+    """(label, events) per drawn lane, top to bottom: the engine, then the worker, or one lane per
+    pipeline stage when the worker events carry a "stage" (tensor/pipeline-parallel runs)."""
+    worker = [e for e in events if e.lane == "worker"]
+    stages = sorted({e.args["stage"] for e in worker if "stage" in e.args})
+    lanes = [("engine", [e for e in events if e.lane == "engine"])]
+    if not stages:
+        return [*lanes, ("worker", worker)]
+    return [*lanes, *((f"stage {k}", [e for e in worker if e.args.get("stage") == k]) for k in stages)]
 
 
 def _color_for(name: str, assigned: dict[str, str]) -> str:
@@ -86,9 +105,10 @@ def plot_timelines(
     fig, axes = plt.subplots(len(runs), 1, figsize=(12, 1.9 * len(runs) + 0.8), squeeze=False)
     colors: dict[str, str] = {}
     for ax, (label, events), window in zip(axes[:, 0], runs, windows, strict=True):
-        for row, lane in enumerate(reversed(LANES)):  # worker at the bottom, engine on top
-            for event in events:
-                if event.lane != lane or event.end < window.start or event.start > window.end:
+        lanes = lanes_of(events)
+        for row, (_, lane_events) in enumerate(reversed(lanes)):  # worker (stages) at the bottom, engine on top
+            for event in lane_events:
+                if event.end < window.start or event.start > window.end:
                     continue
                 start, end = max(event.start, window.start), min(event.end, window.end)
                 # Events under 0.2% of the axis are widened to that, or sub-millisecond engine work
@@ -96,12 +116,16 @@ def plot_timelines(
                 width_ms = max((end - start) * 1e3, MIN_VISIBLE * xmax_ms)
                 ax.broken_barh([((start - window.start) * 1e3, width_ms)], (row - 0.35, 0.7),
                                facecolors=_color_for(event.name, colors), edgecolor="white", linewidth=0.3)
-        busy = busy_seconds(events, "worker", window.start, window.end) / window.length if window.length > 0 else 0.0
+        busy_text = []
+        for name, lane_events in lanes[1:]:
+            working = [e for e in lane_events if e.name not in WAIT_EVENTS]
+            busy = busy_seconds(working, "worker", window.start, window.end) / window.length if window.length > 0 else 0.0
+            busy_text.append(f"{name} busy {busy:.0%}")
         ms_per_step = window.length * 1e3 / window.num_steps
-        ax.set_title(f"{label}: worker busy {busy:.0%} of the window, {ms_per_step:.1f} ms/step",
+        ax.set_title(f"{label}: {', '.join(busy_text)} of the window, {ms_per_step:.1f} ms/step",
                      loc="left", fontsize=10)
-        ax.set_yticks(range(len(LANES)), list(reversed(LANES)))
-        ax.set_ylim(-0.6, len(LANES) - 0.4)
+        ax.set_yticks(range(len(lanes)), [name for name, _ in reversed(lanes)])
+        ax.set_ylim(-0.6, len(lanes) - 0.4)
         ax.set_xlim(0, xmax_ms)
         ax.grid(axis="x", alpha=0.3)
     axes[-1, 0].set_xlabel("time in window (ms)")

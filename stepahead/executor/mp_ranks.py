@@ -158,12 +158,21 @@ class MultiprocRanksExecutor(Executor):
     def _read_results(self) -> None:
         conns = {conn: rank for rank, conn in enumerate(self._results)}
         sentinels = {proc.sentinel: rank for rank, proc in enumerate(self._procs)}
+        rank_events: list = []
         while True:
             for ready in wait([*conns, *sentinels]):
                 rank = conns.get(ready)
                 if rank is not None:
                     kind, payload = self._recv(rank)
+                    if kind == "trace":  # another stage's events ride on the sampler's next output
+                        rank_events.extend(payload)
+                        continue
                     if kind == "ok" and rank == self.sampler_rank:
+                        if rank_events:
+                            carrier = next((out for out in reversed(payload) if out is not None), None)
+                            if carrier is not None:
+                                carrier.trace_events = [*carrier.trace_events, *rank_events]
+                                rank_events = []
                         self._pending.resolve_oldest(payload)
                         continue
                     if kind == "error":

@@ -76,6 +76,8 @@ def worker_main(config: EngineConfig, num_threads: int, calls: Connection, resul
             resolver.put(output)
             continue
         if not reports:
+            if output is not None and output.trace_events:  # a pipeline stage's timeline lane
+                results.send(("trace", output.trace_events))
             continue
         held.append(output)
         if output is not None:  # a step's result: the engine needs it to schedule the step after next

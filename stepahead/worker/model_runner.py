@@ -294,7 +294,7 @@ class ModelRunner:
                 return graphs.run(DecodeBatch(inputs.input_ids, inputs.positions, inputs.attn_metadata), size)
         if self._recv_hidden is None:
             return self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn_metadata)
-        hidden = comm.recv_hidden(self._recv_hidden[:num_tokens], self.ps)
+        hidden = self._recv_hidden[:num_tokens]  # received from the previous stage in execute_model
         return self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn_metadata, hidden)
 
     def _take_sampled_tokens(self, scheduler_output: SchedulerOutput) -> None:
@@ -311,8 +311,10 @@ class ModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         t0 = time.monotonic()
         self._resolve_outputs(keep_latest=True)
+        t_tokens = t0
         if self.feed is not None and not self.ps.is_sampler:
             self._take_sampled_tokens(scheduler_output)
+            t_tokens = time.monotonic()
         self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput.empty()
@@ -322,16 +324,28 @@ class ModelRunner:
             gpu_start.record()
         inputs = self._prepare_inputs(scheduler_output)
         t1 = time.monotonic()
+        events = []
+        args = {"step": scheduler_output.step_id, "num_reqs": len(inputs.req_ids),
+                "num_tokens": scheduler_output.total_num_scheduled_tokens}
+        if self.ps.pp_size > 1:
+            args["stage"] = self.ps.pp_rank  # one timeline lane per pipeline stage (bench/plot.py)
+        if self._recv_hidden is not None:  # a later stage waits for the previous stage's hidden states
+            comm.recv_hidden(self._recv_hidden[:scheduler_output.total_num_scheduled_tokens], self.ps)
+            t_recv = time.monotonic()
+            events.append(TraceEvent("wait_hidden", "worker", t1, t_recv, args))
+            t1 = t_recv
         hidden = self._forward(inputs)
         if self.ps.is_last_stage:
             hidden = hidden.index_select(0, inputs.logits_indices)
-        else:
+        t2 = time.monotonic()
+        prepare = TraceEvent("prepare_inputs", "worker", t_tokens, events[0].start if events else t1, args)
+        events = [prepare, *events, TraceEvent("forward", "worker", t1, t2, args)]
+        if t_tokens > t0:  # waited for the sampler's tokens of an earlier step
+            events.insert(0, TraceEvent("wait_tokens", "worker", t0, t_tokens, args))
+        if not self.ps.is_last_stage:  # on to the next stage (returns once the transfer is done)
             comm.send_hidden(hidden, self.ps)
             hidden = None
-        t2 = time.monotonic()
-        args = {"step": scheduler_output.step_id, "num_reqs": len(inputs.req_ids),
-                "num_tokens": scheduler_output.total_num_scheduled_tokens}
-        events = [TraceEvent("prepare_inputs", "worker", t0, t1, args), TraceEvent("forward", "worker", t1, t2, args)]
+            events.append(TraceEvent("send_hidden", "worker", t2, time.monotonic(), args))
         self._step = _StepState(scheduler_output.step_id, inputs.req_ids, inputs.sample_rows, hidden,
                                 scheduler_output.total_num_scheduled_tokens, t0, events, gpu_start)
         return None
@@ -377,7 +391,10 @@ class ModelRunner:
             if self.ps.is_last_stage:
                 self.model.compute_logits(step.hidden)  # its part of the tensor ranks' all-gather
             self.feed.expect(states, [step.req_ids[b] for b in step.sample_rows])
-            return ModelRunnerOutput.empty()
+            out = ModelRunnerOutput.empty()
+            if self.config.trace and self.ps.tp_rank == 0:  # the stage's lane (the executor forwards it)
+                out.trace_events = step.events
+            return out
         logits = self.model.compute_logits(step.hidden).float()
         if any(state.sampling_params.uses_penalties for state in states):
             self._resolve_outputs()  # penalties read every earlier output id
@@ -447,5 +464,7 @@ class ModelRunner:
         out = ModelRunnerOutput(step.req_ids, sampled_token_ids, logprobs, busy_s=busy_s, gpu_busy_s=busy_s)
         if self.config.trace:
             args = {"step": step.step_id, "num_reqs": len(step.req_ids), "num_tokens": step.num_tokens}
+            if self.ps.pp_size > 1:
+                args["stage"] = self.ps.pp_rank
             out.trace_events = step.events + [TraceEvent("sample", "worker", t0, t1, args)]
         return out

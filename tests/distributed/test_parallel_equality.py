@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from stepahead import LLM, SamplingParams
+from stepahead.bench.plot import lanes_of
 from tests.distributed.conftest import GREEDY, MAX_MODEL_LEN, SEEDED, prompts, token_ids
 
 CONFIGS = {
@@ -60,7 +61,8 @@ def test_pipeline_depth3_preemption_and_abort_in_flight(tiny_llama, single_rank_
     steps still in flight when a request is preempted) and an abort while its steps are in flight
     leave the other requests' tokens as one rank computes them."""
     greedy, seeded = single_rank_tokens["llama"]
-    with LLM(str(tiny_llama), max_model_len=MAX_MODEL_LEN, pipeline_parallel_size=2, num_kv_blocks=10) as llm:
+    with LLM(str(tiny_llama), max_model_len=MAX_MODEL_LEN, pipeline_parallel_size=2, num_kv_blocks=10,
+             trace=True) as llm:
         assert llm.config.max_concurrent_batches == 3
         stream = llm.generate_stream(prompts()[2], SamplingParams(max_tokens=40, temperature=0.0))
         for _ in range(3):
@@ -69,3 +71,8 @@ def test_pipeline_depth3_preemption_and_abort_in_flight(tiny_llama, single_rank_
         assert token_ids(llm, GREEDY) == greedy
         assert token_ids(llm, SEEDED) == seeded
         assert llm.stats().preemptions > 0
+        # The timeline has a lane per stage: the first stage's events arrive with the sampler's outputs.
+        lanes = dict(lanes_of(llm.drain_trace_events()))
+        assert list(lanes) == ["engine", "stage 0", "stage 1"]
+        assert {"forward", "send_hidden"} <= {e.name for e in lanes["stage 0"]}
+        assert {"wait_hidden", "forward", "sample"} <= {e.name for e in lanes["stage 1"]}
