@@ -24,7 +24,7 @@ from stepahead.validation import check_field
 # Allowed values of EngineArgs' string fields (the CLI offers the same as choices).
 CHOICES = {
     "dtype": ("auto", "float32", "bfloat16", "float16"),
-    "executor": ("mp", "uni", "ray"),
+    "executor": ("mp", "uni"),
     "load_format": ("auto", "safetensors", "gguf", "dummy"),
     "device": ("auto", "cpu", "cuda"),
     "attention_backend": ("auto", "sdpa", "triton"),
