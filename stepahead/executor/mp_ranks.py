@@ -91,6 +91,11 @@ class MultiprocRanksExecutor(Executor):
     def worker_pids(self) -> list[int | None]:
         return [proc.pid for proc in self._procs]
 
+    @property
+    def worker_pid(self) -> int | None:
+        """The sampler rank's process (the one whose outputs the engine reads)."""
+        return self._procs[self.sampler_rank].pid
+
     def notify_on_failure(self, callback: Callable[[RuntimeError], None]) -> None:
         with self._failure_lock:
             self._on_failure = callback
