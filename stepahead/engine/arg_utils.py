@@ -138,7 +138,7 @@ class EngineArgs:
             use_cache=self.model_cache, revision=self.revision, download_dir=self.download_dir,
             generation_config=self.generation_config, chat_template=self.chat_template)
         parallel_config = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size)
-        check_parallel(parallel_config, model_config, device)
+        check_parallel(parallel_config, model_config, device, self.resolve_executor())
         max_model_len = model_config.max_model_len
         max_batched = self.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS,
                                                          0 if self.enable_chunked_prefill else max_model_len)
@@ -195,13 +195,14 @@ class EngineArgs:
         )
 
 
-def check_parallel(parallel: ParallelConfig, model_config, device: str) -> None:
-    """Sizes that do not split the model, or more ranks than CUDA devices: a ValueError naming the numbers."""
+def check_parallel(parallel: ParallelConfig, model_config, device: str, executor: str) -> None:
+    """Sizes that do not split the model, or more ranks than this machine's CUDA devices for the mp
+    executor (Ray places ranks on the cluster's devices): a ValueError naming the numbers."""
     from stepahead.models.llama import LlamaArgs, check_parallel_sizes
 
     margs = LlamaArgs.from_hf_config(model_config.architecture, model_config.hf_config)
     check_parallel_sizes(margs, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
-    if device == "cuda" and parallel.world_size > 1:
+    if device == "cuda" and parallel.world_size > 1 and executor == "mp":
         import torch
 
         available = torch.cuda.device_count()

@@ -43,3 +43,15 @@ def test_killed_rank_fails_requests_and_stops_the_others(tiny_llama, victim):
 def test_sizes_that_do_not_split_the_model(tiny_llama, overrides, message):
     with pytest.raises(ValueError, match=message):
         EngineArgs(model=str(tiny_llama), max_model_len=MAX_MODEL_LEN, **overrides).create_engine_config()
+
+
+def test_more_ranks_than_cuda_devices(tiny_llama, monkeypatch):
+    """Checked at start, before any process: NCCL puts one rank on each device. (The device count is
+    set here; this machine has no GPU.)"""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 x pipeline_parallel_size=1 needs 2 CUDA devices, "
+                                         r"1 visible"):
+        EngineArgs(model=str(tiny_llama), max_model_len=MAX_MODEL_LEN, device="cuda",
+                   tensor_parallel_size=2).create_engine_config()
