@@ -264,15 +264,18 @@ class LlamaForCausalLM(nn.Module):
         hd = a.head_dim
         q_local, kv_local = shard.num_heads * hd, shard.num_kv_heads * hd
         inter = shard.intermediate_size
-        # checkpoint projection -> (target, offset in the fused target or None, dim read along, first index, length)
+        q_all, kv_all = a.num_heads * hd, a.num_kv_heads * hd
+        # checkpoint projection -> (target, offset in the fused target or None, dim read along, first index,
+        # length, the checkpoint's size along that dim)
         split = {
-            "self_attn.q_proj.": ("self_attn.qkv_proj.", 0, 0, ps.tp_rank * q_local, q_local),
-            "self_attn.k_proj.": ("self_attn.qkv_proj.", q_local, 0, shard.kv_head_start * hd, kv_local),
-            "self_attn.v_proj.": ("self_attn.qkv_proj.", q_local + kv_local, 0, shard.kv_head_start * hd, kv_local),
-            "mlp.gate_proj.": ("mlp.gate_up_proj.", 0, 0, ps.tp_rank * inter, inter),
-            "mlp.up_proj.": ("mlp.gate_up_proj.", inter, 0, ps.tp_rank * inter, inter),
-            "self_attn.o_proj.": ("self_attn.o_proj.", None, 1, ps.tp_rank * q_local, q_local),
-            "mlp.down_proj.": ("mlp.down_proj.", None, 1, ps.tp_rank * inter, inter),
+            "self_attn.q_proj.": ("self_attn.qkv_proj.", 0, 0, ps.tp_rank * q_local, q_local, q_all),
+            "self_attn.k_proj.": ("self_attn.qkv_proj.", q_local, 0, shard.kv_head_start * hd, kv_local, kv_all),
+            "self_attn.v_proj.": ("self_attn.qkv_proj.", q_local + kv_local, 0, shard.kv_head_start * hd, kv_local,
+                                  kv_all),
+            "mlp.gate_proj.": ("mlp.gate_up_proj.", 0, 0, ps.tp_rank * inter, inter, a.intermediate_size),
+            "mlp.up_proj.": ("mlp.gate_up_proj.", inter, 0, ps.tp_rank * inter, inter, a.intermediate_size),
+            "self_attn.o_proj.": ("self_attn.o_proj.", None, 1, ps.tp_rank * q_local, q_local, q_all),
+            "mlp.down_proj.": ("mlp.down_proj.", None, 1, ps.tp_rank * inter, inter, a.intermediate_size),
         }
         for name, w in weights:
             name = name.removeprefix("model.")
@@ -285,9 +288,9 @@ class LlamaForCausalLM(nn.Module):
                 continue
             handle = as_handle(w)
             target, part = local, None
-            for proj, (fused, offset, dim, start, length) in split.items():
+            for proj, (fused, *where) in split.items():
                 if proj in local:
-                    target, part = local.replace(proj, fused), (offset, dim, start, length)
+                    target, part = local.replace(proj, fused), tuple(where)
             if target not in params:
                 raise ValueError(f"unexpected weight {name!r} for {a.architecture}")
             p = params[target]
@@ -295,7 +298,7 @@ class LlamaForCausalLM(nn.Module):
                 vocab_start, _ = vocab_shard(a.vocab_size, ps)
                 rows = max(0, min(p.shape[0], handle.shape[0] - vocab_start))
                 p[rows:].zero_()  # the padding of the last vocabulary slice
-                dst, part = p.narrow(0, 0, rows), (0, 0, vocab_start, rows)
+                dst, part = p.narrow(0, 0, rows), (0, 0, vocab_start, rows, a.vocab_size)
             elif part is None or part[0] is None:
                 dst = p
             else:
@@ -304,10 +307,11 @@ class LlamaForCausalLM(nn.Module):
             if part is None:
                 ok = tuple(handle.shape) == expected
             else:
-                _, dim, start, length = part
+                _, dim, _, length, full = part
                 shape = list(handle.shape)
-                ok = start + length <= shape[dim]
-                shape[dim] = length
+                ok = len(shape) > dim and shape[dim] == full
+                if ok:
+                    shape[dim] = length
                 ok = ok and tuple(shape) == expected
             if not ok:
                 of_rank = f" (rank {ps.rank}'s part)" if ps.world_size > 1 else ""
