@@ -28,6 +28,7 @@ CHOICES = {
     "device": ("auto", "cpu", "cuda"),
     "attention_backend": ("auto", "sdpa", "triton"),
     "structured_outputs_backend": ("xgrammar", "none"),
+    "quantization": ("auto", "none", "gguf", "int8", "int4"),
 }
 
 
@@ -41,6 +42,10 @@ class EngineArgs:
 
     model: str | None = _arg(None, "model folder or .gguf file (default: the built-in SmolLM2-135M-Instruct)")
     dtype: str = _arg("auto", "weights and activations dtype ('auto': chosen from the checkpoint and the device)")
+    quantization: str = _arg(
+        "auto", "weights kept packed on CPU: 'gguf' keeps a GGUF file's Q4_0/Q4_1/Q8_0 tensors quantized; "
+                "'int4'/'int8' quantize the projections at load; 'none': dense weights in --dtype (the reference "
+                "path); 'auto': 'gguf' for a quantized GGUF file on CPU, else 'none'")
     seed: int = _arg(0, "random seed for dummy weights and unseeded sampling")
     max_model_len: int | None = _arg(None, "context length (default: the model's)")
     max_num_seqs: int = _arg(256, "most requests in one batch")
@@ -119,7 +124,8 @@ class EngineArgs:
             self.model, device, dtype=self.dtype, max_model_len=self.max_model_len, load_format=self.load_format,
             seed=self.seed, served_model_name=self.served_model_name, tokenizer=self.tokenizer,
             use_cache=self.model_cache, revision=self.revision, download_dir=self.download_dir,
-            generation_config=self.generation_config, chat_template=self.chat_template)
+            generation_config=self.generation_config, chat_template=self.chat_template,
+            quantization=self.quantization)
         max_model_len = model_config.max_model_len
         max_batched = self.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS,
                                                          0 if self.enable_chunked_prefill else max_model_len)
