@@ -24,7 +24,7 @@ from stepahead.core.sched_output import GrammarOutput, ModelRunnerOutput, Schedu
 from stepahead.executor.abstract import Executor, WorkerError
 from stepahead.executor.common import default_worker_threads
 from stepahead.executor.pending import PendingCalls
-from stepahead.executor.spawn import main_module_hidden, stop_process
+from stepahead.executor.spawn import main_module_hidden, stop_process, worker_environment
 from stepahead.executor.worker_proc import worker_main
 
 _SHUTDOWN_GRACE_S = 5.0
@@ -39,7 +39,7 @@ class MultiprocExecutor(Executor):
         self._results, worker_results = spawn.Pipe(duplex=False)
         self._proc = spawn.Process(target=worker_main, name="stepahead-worker", daemon=True,
                                    args=(config, self.num_threads, worker_calls, worker_results))
-        with main_module_hidden():
+        with main_module_hidden(), worker_environment():
             self._proc.start()
         # Only the worker holds these ends now, so its exit closes them.
         worker_calls.close()

@@ -81,11 +81,13 @@ def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
 
 
 @torch.no_grad()
-def quantize_model(model: nn.Module, mode: str, sources: dict[str, GroupQuantWeight] | None = None) -> int:
+def quantize_model(model: nn.Module, mode: str, sources: dict[str, GroupQuantWeight] | None = None,
+                   keep_dense: bool = True) -> int:
     """Swap the model's projections for packed ones; returns how many were swapped.
 
     mode "gguf" takes the codes from sources (HF tensor name -> codes); "int4"/"int8" quantize the
-    loaded dense weights."""
+    loaded dense weights. keep_dense: each packed module also keeps its dequantized weight for steps
+    of many tokens (quantized_linear.PACKED_MAX_TOKENS), where dense GEMM is faster on CPU."""
     if mode not in ("gguf", "int4", "int8"):
         raise ValueError(f"quantize_model mode must be gguf, int4 or int8, got {mode!r}")
     targets = [(name, m) for name, m in model.named_modules()
@@ -102,6 +104,9 @@ def quantize_model(model: nn.Module, mode: str, sources: dict[str, GroupQuantWei
         if weight.shape != tuple(module.weight.shape):
             raise ValueError(f"{name}: quantized weight has shape {weight.shape}, "
                              f"the model's is {tuple(module.weight.shape)}")
-        _set_module(model, name, quantized_linear(_packable(weight), getattr(module, "bias", None)))
+        packed = quantized_linear(_packable(weight), getattr(module, "bias", None))
+        if keep_dense:
+            packed.keep_dense(weight.dequantize().to(module.weight.dtype))
+        _set_module(model, name, packed)
         swapped += 1
     return swapped

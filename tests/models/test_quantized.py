@@ -129,3 +129,17 @@ def test_builtin_model_quantized_by_default_agrees_with_fp32():
     assert float((a.argmax(-1) == b.argmax(-1)).float().mean()) > 0.9
     from stepahead.bench.full_forward import greedy_tokens
     assert "Paris" in tok.decode(greedy_tokens(packed, ids, 8))
+
+
+def test_steps_of_many_tokens_use_the_dense_copy_of_the_same_values():
+    from stepahead.models.quantized_linear import PACKED_MAX_TOKENS
+
+    torch.manual_seed(0)
+    codes = quantize_int4(torch.randn(64, 128))
+    layer = Int4Linear(codes)
+    layer.keep_dense(codes.dequantize())
+    x = torch.randn(PACKED_MAX_TOKENS + 8, 128)
+    dense_path = layer(x)  # more rows than PACKED_MAX_TOKENS: dense GEMM
+    packed_path = torch.cat([layer(x[i:i + 1]) for i in range(x.shape[0])])  # one row: the int4 kernel
+    assert torch.equal(dense_path, x @ codes.dequantize().t())
+    assert _rel_err(packed_path, dense_path) < LINEAR_RTOL
