@@ -42,6 +42,11 @@ def main_module_hidden() -> Iterator[None]:
 WORKER_OMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
+def worker_waits_passively() -> bool:
+    """Whether a worker spawned now gets passive OpenMP waiting (the user may have set another policy)."""
+    return os.environ.get("OMP_WAIT_POLICY", WORKER_OMP_ENV["OMP_WAIT_POLICY"]).upper() == "PASSIVE"
+
+
 @contextlib.contextmanager
 def worker_environment(env: dict[str, str] = WORKER_OMP_ENV) -> Iterator[None]:
     """Set env (keeping values already set) while a child process is spawned: the child copies the
