@@ -115,6 +115,17 @@ class Int8Linear(_PackedBase):
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
+def set_packed_max_tokens(model: nn.Module, max_tokens: int) -> int:
+    """Set the row threshold of every packed module of model (a large value: always the packed
+    kernels, as quality checks need); returns how many modules were changed."""
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, _PackedBase):
+            module.packed_max_tokens = max_tokens
+            changed += 1
+    return changed
+
+
 def quantized_linear(weight: GroupQuantWeight, bias: torch.Tensor | None = None) -> nn.Module:
     """The packed module for a quantized weight: 4-bit group codes -> Int4Linear, 8-bit -> Int8Linear."""
     if weight.bits == 4:

@@ -11,7 +11,7 @@ from stepahead.bench.full_forward import sequence_logits
 from stepahead.models import quantized_loader
 from stepahead.models.loader import load_model, load_model_config
 from stepahead.models.quant_weights import decode_gguf_blocks, quantize_int4, quantize_int8_rows
-from stepahead.models.quantized_linear import Int4Linear, Int8Linear
+from stepahead.models.quantized_linear import Int4Linear, Int8Linear, set_packed_max_tokens
 from tests.models.gguf_writer import write_gguf
 
 # bf16 activations against float32 ones: relative error of the output, over a K=64..576 dot product.
@@ -80,6 +80,7 @@ def test_quantized_gguf_model_follows_the_dequantized_one(quantized_gguf, use_ca
     dense_cfg = load_model_config(str(quantized_gguf), "cpu", quantization="none", use_cache=use_cache)
     assert (packed_cfg.quantization, dense_cfg.quantization) == ("gguf", "none")
     packed, dense = load_model(packed_cfg, "cpu"), load_model(dense_cfg, "cpu")
+    assert set_packed_max_tokens(packed, 1 << 30) > 0  # every row through the packed kernels
     kinds = {type(m).__name__ for m in packed.modules()}
     assert "Int4Linear" in kinds and type(packed.lm_head).__name__ == "Linear"  # the head stays dense
     layer = packed.layers[0]
@@ -98,6 +99,7 @@ def test_int4_and_int8_quantize_a_safetensors_model(tiny_llama):
     for mode, tol in (("int8", 0.02), ("int4", 0.15)):
         cfg = load_model_config(str(tiny_llama), "cpu", quantization=mode)
         model = load_model(cfg, "cpu")
+        set_packed_max_tokens(model, 1 << 30)
         assert type(model.layers[1].mlp.gate_up_proj).__name__ == ("Int4Linear" if mode == "int4" else "Int8Linear")
         assert float((sequence_logits(model, prompt) - ref).abs().max()) < tol * float(ref.abs().max())
 
@@ -120,6 +122,7 @@ def test_builtin_model_quantized_by_default_agrees_with_fp32():
     dense_cfg = load_model_config(None, "cpu", dtype="float32", quantization="none")
     assert packed_cfg.quantization == "gguf"
     packed, dense = load_model(packed_cfg, "cpu"), load_model(dense_cfg, "cpu")
+    set_packed_max_tokens(packed, 1 << 30)
     tok = load_tokenizer(packed_cfg)
     ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                   add_generation_prompt=True, tokenize=True)
