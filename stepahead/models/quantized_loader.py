@@ -106,7 +106,9 @@ def quantize_model(model: nn.Module, mode: str, sources: dict[str, GroupQuantWei
                              f"the model's is {tuple(module.weight.shape)}")
         packed = quantized_linear(_packable(weight), getattr(module, "bias", None))
         if keep_dense:
-            packed.keep_dense(weight.dequantize().to(module.weight.dtype))
+            # A GGUF model was loaded from the file's own dequantization: the same values, already there.
+            dense = module.weight.detach() if mode == "gguf" else weight.dequantize().to(module.weight.dtype)
+            packed.keep_dense(dense)
         _set_module(model, name, packed)
         swapped += 1
     return swapped
