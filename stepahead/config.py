@@ -39,6 +39,9 @@ class ModelConfig:
     # End tokens beyond eos_token_id (config.json's or generation_config.json's list): they finish
     # requests as EOS does, unless ignore_eos.
     extra_eos_token_ids: tuple[int, ...] = ()
+    # "none": dense weights in dtype; "gguf": the GGUF file's Q4_0/Q4_1/Q8_0 tensors kept packed;
+    # "int4"/"int8": projections quantized at load (CPU; models/quantized_loader.py). Never "auto".
+    quantization: str = "none"
 
     def kv_bytes_per_token(self) -> int:
         itemsize = 4 if self.dtype == "float32" else 2

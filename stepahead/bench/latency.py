@@ -10,11 +10,14 @@ engine's bookkeeping; with the step-ahead scheduler the two converge.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
+from stepahead.bench.breakdown import Timers, hooked, split
 from stepahead.bench.datasets import random_token_requests
 from stepahead.bench.report import distribution_ms
 from stepahead.bench.throughput import add_output_args, drain_events, emit_outputs, make_llm, mode_label
@@ -79,6 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-iters-warmup", type=int, default=1, help="(default: %(default)s)")
     g.add_argument("--num-iters", type=int, default=3, help="timed batches (default: %(default)s)")
     g.add_argument("--temperature", type=float, default=1.0, help="(default: %(default)s, as vLLM's)")
+    g.add_argument("--breakdown", action="store_true",
+                   help="split the worker step into matmul, attention, KV write/gather, other layers, output head, "
+                        "sampler and host time (runs the worker in this process: --executor uni)")
     add_output_args(parser)
 
 
@@ -92,8 +98,12 @@ def main(ns: argparse.Namespace) -> int:
     if ns.num_iters_warmup < 0:
         raise ValueError(f"num_iters_warmup must be >= 0, got {ns.num_iters_warmup}")
     engine_args = engine_args_from_namespace(ns)
+    if getattr(ns, "breakdown", False):
+        engine_args = dataclasses.replace(engine_args, executor="uni")  # the hooks time this process's model
     llm = make_llm(engine_args, None, trace=True)  # the per-step figures come from the trace
+    timers = Timers()
     latencies, steps = [], []
+    last_events_all: list[TraceEvent] = []  # every timed iteration's events
     label = mode_label(llm)
     try:
         vocab = llm.config.model_config.vocab_size
@@ -104,14 +114,17 @@ def main(ns: argparse.Namespace) -> int:
             requests = random_token_requests(ns.batch_size, (ns.input_len,) * 2, (ns.output_len,) * 2, vocab,
                                              ns.seed + iteration, special)
             drain_events(llm)
-            started = time.perf_counter()
-            llm.generate([request.engine_prompt() for request in requests], params, use_tqdm=False)
-            elapsed = time.perf_counter() - started
+            hooks = hooked(timers) if ns.breakdown and iteration >= ns.num_iters_warmup else contextlib.nullcontext()
+            with hooks:
+                started = time.perf_counter()
+                llm.generate([request.engine_prompt() for request in requests], params, use_tqdm=False)
+                elapsed = time.perf_counter() - started
             events = drain_events(llm)
             if iteration >= ns.num_iters_warmup:
                 latencies.append(elapsed)
                 steps.append(worker_steps(events))
                 last_events = events
+                last_events_all.extend(events)
     finally:
         llm.shutdown()
     latency_s = np.asarray(latencies)
@@ -127,11 +140,26 @@ def main(ns: argparse.Namespace) -> int:
         print(f"{phase:>7} steps: {worker['count']:4d}  worker step mean {worker['mean_ms']:.2f} / median "
               f"{worker['median_ms']:.2f} / p99 {worker['p99_ms']:.2f} ms;  step period mean {period['mean_ms']:.2f} "
               f"/ median {period['median_ms']:.2f} / p99 {period['p99_ms']:.2f} ms")
+    if ns.breakdown:
+        summary_breakdown = _print_breakdown(timers, steps, last_events_all)
     run = _LatencyRun(label, last_events, float(latency_s[-1]))
     summary = {"avg_latency": float(latency_s.mean()), "std_latency": float(latency_s.std()), "latencies": latencies,
                "percentiles": percentiles, "steps": figures}
+    if ns.breakdown:
+        summary["breakdown_ms_per_step"] = summary_breakdown
     emit_outputs(ns, "latency", engine_args, {"runs": [run], "summary": summary})
     return 0
+
+
+def _print_breakdown(timers: Timers, steps: list[list[WorkerStep]], events: list[TraceEvent]) -> dict[str, float]:
+    num_steps = sum(len(run) for run in steps)
+    step_s = sum(step.duration for run in steps for step in run)
+    sample_s = sum(event.end - event.start for event in events if event.lane == "worker" and event.name == "sample")
+    per_step = split(timers, step_s, sample_s, num_steps)
+    total = sum(per_step.values()) or 1.0
+    print(f"breakdown over {num_steps} worker steps, ms per step (share):")
+    print("  " + ", ".join(f"{name} {ms:.2f} ({100 * ms / total:.0f}%)" for name, ms in per_step.items()))
+    return per_step
 
 
 @dataclass

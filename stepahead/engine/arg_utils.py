@@ -8,7 +8,7 @@ config, KV pool size, batch-queue depth) into the EngineConfig the engine runs w
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 from stepahead.config import (
     DEFAULT_KV_CACHE_BYTES_CPU,
@@ -29,6 +29,7 @@ CHOICES = {
     "device": ("auto", "cpu", "cuda"),
     "attention_backend": ("auto", "sdpa", "triton"),
     "structured_outputs_backend": ("xgrammar", "none"),
+    "quantization": ("auto", "none", "gguf", "int8", "int4"),
 }
 
 
@@ -42,6 +43,10 @@ class EngineArgs:
 
     model: str | None = _arg(None, "model folder or .gguf file (default: the built-in SmolLM2-135M-Instruct)")
     dtype: str = _arg("auto", "weights and activations dtype ('auto': chosen from the checkpoint and the device)")
+    quantization: str = _arg(
+        "auto", "weights kept packed on CPU: 'gguf' keeps a GGUF file's Q4_0/Q4_1/Q8_0 tensors quantized; "
+                "'int4'/'int8' quantize the projections at load; 'none': dense weights in --dtype (the reference "
+                "path); 'auto': 'gguf' for a quantized GGUF file on CPU, else 'none'")
     seed: int = _arg(0, "random seed for dummy weights and unseeded sampling")
     max_model_len: int | None = _arg(None, "context length (default: the model's)")
     max_num_seqs: int = _arg(256, "most requests in one batch")
@@ -136,9 +141,11 @@ class EngineArgs:
             self.model, device, dtype=self.dtype, max_model_len=self.max_model_len, load_format=self.load_format,
             seed=self.seed, served_model_name=self.served_model_name, tokenizer=self.tokenizer,
             use_cache=self.model_cache, revision=self.revision, download_dir=self.download_dir,
-            generation_config=self.generation_config, chat_template=self.chat_template)
+            generation_config=self.generation_config, chat_template=self.chat_template,
+            quantization=self.quantization)
         parallel_config = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size)
         check_parallel(parallel_config, model_config, device, self.resolve_executor())
+        model_config = dense_when_parallel(model_config, parallel_config, self.quantization)
         max_model_len = model_config.max_model_len
         max_batched = self.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS,
                                                          0 if self.enable_chunked_prefill else max_model_len)
@@ -210,6 +217,18 @@ def check_parallel(parallel: ParallelConfig, model_config, device: str, executor
             raise ValueError(f"tensor_parallel_size={parallel.tensor_parallel_size} x pipeline_parallel_size="
                              f"{parallel.pipeline_parallel_size} needs {parallel.world_size} CUDA devices, "
                              f"{available} visible (NCCL puts one rank on each device)")
+
+
+def dense_when_parallel(model_config, parallel: ParallelConfig, requested: str):
+    """Packed (quantized) weights are whole-matrix codes, not split by rank: with more than one rank
+    'auto' loads dense weights and an explicit quantization is a ValueError."""
+    if parallel.world_size == 1 or model_config.quantization == "none":
+        return model_config
+    if requested != "auto":
+        raise ValueError(f"quantization {requested!r} runs on one rank only (tensor_parallel_size="
+                         f"{parallel.tensor_parallel_size}, pipeline_parallel_size={parallel.pipeline_parallel_size}); "
+                         "use 'auto' or 'none'")
+    return replace(model_config, quantization="none")
 
 
 def resolve_attention_backend(name: str, device: str) -> str:

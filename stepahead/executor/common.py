@@ -15,19 +15,23 @@ from stepahead.core.sched_output import GrammarOutput, ModelRunnerOutput, Schedu
 RUNNER_METHODS = ("execute_model", "sample_tokens")
 
 
-def default_worker_threads(device: str) -> int:
-    """Torch threads for the worker: every core but one, which is left to the engine's bookkeeping.
+def default_worker_threads(device: str, passive_wait: bool = False) -> int:
+    """Torch threads for the worker: every core when its OpenMP threads wait passively (the mp
+    worker, spawned with OMP_WAIT_POLICY=PASSIVE: executor/spawn.py), else every core but one.
 
-    A per-machine choice, measured on the 2-core build machine (docs/BENCHMARKS.md, section 7,
-    "Worker threads and the worker's turn-around"): with the mp executor and 64 requests, 1 thread
-    ran 2-15x faster than 2, because the forward pass's second OpenMP thread shares its core with the
-    engine process and every parallel region waits for it. With uni (the worker is a thread of the
-    engine process) a tiny model took 3.8 ms per step with 1 thread and 5.8 ms with 2, and 50x longer
-    under outside load, as the OpenMP team and the engine thread also fight over the GIL.
+    Measured on the 2-core build machine (docs/BENCHMARKS.md sections 7 and 14). On a quiet machine
+    two threads served the built-in model 1.5x faster than one at every concurrency. Under load
+    (another process busy on one core) spinning OpenMP threads made two threads 2-15x slower than
+    one (the parallel region waits for the thread that lost its core); waiting passively, two threads
+    lost only 17% there. Where waiting cannot be made passive (uni: the worker is a thread of the
+    engine process, whose OpenMP runtime started before; or OMP_WAIT_POLICY set to something else by
+    the user) one core is left to the engine: a tiny model took 3.8 ms per step with 1 thread and
+    5.8 ms with 2, and 50x longer under outside load.
     """
     if device != "cpu":
         return 1
-    return max(1, len(_allowed_cores()) - 1)
+    cores = len(_allowed_cores())
+    return cores if passive_wait else max(1, cores - 1)
 
 
 def _allowed_cores() -> set[int]:

@@ -24,7 +24,12 @@ from stepahead.core.sched_output import GrammarOutput, ModelRunnerOutput, Schedu
 from stepahead.executor.abstract import Executor, WorkerError
 from stepahead.executor.common import default_worker_threads
 from stepahead.executor.pending import PendingCalls
-from stepahead.executor.spawn import main_module_hidden, stop_process
+from stepahead.executor.spawn import (
+    main_module_hidden,
+    stop_process,
+    worker_environment,
+    worker_waits_passively,
+)
 from stepahead.executor.worker_proc import worker_main
 
 _SHUTDOWN_GRACE_S = 5.0
@@ -33,13 +38,14 @@ _SHUTDOWN_GRACE_S = 5.0
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.num_threads = config.num_threads or default_worker_threads(config.device)
+        # All cores: the worker's OpenMP threads wait passively (spawn.WORKER_OMP_ENV).
+        self.num_threads = config.num_threads or default_worker_threads(config.device, worker_waits_passively())
         spawn = multiprocessing.get_context("spawn")
         worker_calls, self._calls = spawn.Pipe(duplex=False)
         self._results, worker_results = spawn.Pipe(duplex=False)
         self._proc = spawn.Process(target=worker_main, name="stepahead-worker", daemon=True,
                                    args=(config, self.num_threads, worker_calls, worker_results))
-        with main_module_hidden():
+        with main_module_hidden(), worker_environment():
             self._proc.start()
         # Only the worker holds these ends now, so its exit closes them.
         worker_calls.close()

@@ -4,6 +4,7 @@ the caller's script, and stop them without leaving one behind."""
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from collections.abc import Iterator
 from multiprocessing.process import BaseProcess
@@ -31,6 +32,32 @@ def main_module_hidden() -> Iterator[None]:
     finally:
         for key, value in saved.items():
             main.__dict__[key] = value
+
+
+# OpenMP settings for a worker process, read once when torch's OpenMP runtime starts in the child.
+# PASSIVE: a thread that runs out of work sleeps instead of spinning. With every core computing and
+# the engine process sharing them, a spinning thread steals the core the engine (or a sibling
+# thread) needs, and a thread that lost its core holds up every parallel region after it
+# (docs/BENCHMARKS.md section 14). Values the user set are kept.
+WORKER_OMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def worker_waits_passively() -> bool:
+    """Whether a worker spawned now gets passive OpenMP waiting (the user may have set another policy)."""
+    return os.environ.get("OMP_WAIT_POLICY", WORKER_OMP_ENV["OMP_WAIT_POLICY"]).upper() == "PASSIVE"
+
+
+@contextlib.contextmanager
+def worker_environment(env: dict[str, str] = WORKER_OMP_ENV) -> Iterator[None]:
+    """Set env (keeping values already set) while a child process is spawned: the child copies the
+    parent's environment at start, before it imports torch."""
+    added = {key: value for key, value in env.items() if key not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
 
 
 def stop_process(proc: BaseProcess, exit_wait_s: float, grace_s: float) -> None:

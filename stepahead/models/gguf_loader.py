@@ -19,6 +19,7 @@ GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalL
                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 # Architectures whose converter permutes Q/K rows.
 _PERMUTED = {"llama", "mistral"}
+PERMUTED_ARCHITECTURES = _PERMUTED
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -33,6 +34,11 @@ def _open(path: str):
     """The file's parsed reader; config and weights share it (parsing the metadata takes seconds)."""
     stat = Path(path).stat()
     return _open_version(path, stat.st_size, stat.st_mtime_ns)
+
+
+def open_reader(path: str):
+    """The file's parsed gguf.GGUFReader (shared with the config and the dense weights)."""
+    return _open(path)
 
 
 @functools.lru_cache(maxsize=2)  # keyed by size and mtime too: a file rewritten in place is parsed again

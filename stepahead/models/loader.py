@@ -15,7 +15,7 @@ from torch import nn
 
 from stepahead.config import ModelConfig
 from stepahead.distributed.state import SINGLE, ParallelState
-from stepahead.models import gguf_loader, hub, model_cache
+from stepahead.models import gguf_loader, gguf_quantized, hub, model_cache, quantized_loader
 from stepahead.models.generation_config import eos_token_ids, generation_defaults, read_generation_config
 from stepahead.models.llama import (
     SUPPORTED_ARCHITECTURES,
@@ -80,7 +80,7 @@ def load_model_config(model: str | None, device: str, *, dtype: str = "auto", ma
                       load_format: str = "auto", seed: int = 0, served_model_name: str | None = None,
                       tokenizer: str | None = None, use_cache: bool = True, revision: str | None = None,
                       download_dir: str | None = None, generation_config: str = "auto",
-                      chat_template: str | None = None) -> ModelConfig:
+                      chat_template: str | None = None, quantization: str = "none") -> ModelConfig:
     """The checkpoint's ModelConfig (model None: the built-in one); every problem is a ValueError.
 
     model is a folder, a .gguf file or a Hugging Face id (ORG/NAME, models/hub.py). A GGUF file is
@@ -105,13 +105,14 @@ def load_model_config(model: str | None, device: str, *, dtype: str = "auto", ma
         resolved_format = "gguf" if load_format == "auto" else load_format
         if use_cache and resolved_format == "gguf":
             converted = model_cache.cached_folder(
-                p, dtype, lambda folder: gguf_loader.convert_to_folder(str(p), folder, TORCH_DTYPES[dtype]))
+                p, dtype, lambda folder: _convert_gguf(str(p), folder, TORCH_DTYPES[dtype]))
         if converted is not None:
             arch, cfg, _ = _folder_config(converted, "safetensors")
         else:
             arch, cfg = gguf_loader.read_gguf_config(str(p))
     else:
         raise ValueError(f"model: {path!r} is neither a folder nor a .gguf file")
+    quantization = _resolve_quantization(quantization, device, p, resolved_format, converted)
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"model architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
     try:
@@ -145,7 +146,26 @@ def load_model_config(model: str | None, device: str, *, dtype: str = "auto", ma
         generation_defaults=generation_defaults(gen_config),
         extra_eos_token_ids=tuple(eos_ids[1:]),
         chat_template=_read_chat_template(chat_template),
+        quantization=quantization,
     )
+
+
+def _convert_gguf(path: str, folder: Path, dtype: torch.dtype) -> None:
+    """A model-cache entry for a GGUF file: the dense folder, plus the codes of its quantized tensors."""
+    gguf_loader.convert_to_folder(path, folder, dtype)
+    if gguf_quantized.gguf_has_quantized(path):
+        _arch, cfg = gguf_loader.read_gguf_config(path)
+        gguf_quantized.save_quantized(gguf_quantized.iter_gguf_quantized(path, cfg),
+                                      folder / gguf_quantized.QUANT_FILE)
+
+
+def _resolve_quantization(requested: str, device: str, path: Path, load_format: str,
+                          converted: Path | None) -> str:
+    holds_codes = False
+    if load_format == "gguf" and requested in ("auto", "gguf") and device == "cpu":
+        holds_codes = ((converted / gguf_quantized.QUANT_FILE).is_file() if converted is not None
+                       else gguf_quantized.gguf_has_quantized(str(path)))
+    return quantized_loader.resolve_quantization(requested, device, load_format, holds_codes)
 
 
 def _read_chat_template(template: str | None) -> str | None:
@@ -199,8 +219,21 @@ def load_model(model_config: ModelConfig, device: str, ps: ParallelState = SINGL
         model.load_weights(gguf_loader.iter_gguf_weight_handles(model_config.model, model_config.hf_config))
     else:
         model.load_weights(_iter_safetensors(Path(model_config.model)))
+    if model_config.quantization != "none":
+        quantized_loader.quantize_model(model, model_config.quantization, _quantized_sources(model_config))
     model.init_rope(max(model_config.max_model_len, 1), dtype, device)
     return model.eval().requires_grad_(False)
+
+
+def _quantized_sources(model_config: ModelConfig) -> dict | None:
+    """The GGUF file's codes by HF tensor name (from the model cache when it holds them)."""
+    if model_config.quantization != "gguf":
+        return None
+    if model_config.converted is not None:
+        cached = Path(model_config.converted) / gguf_quantized.QUANT_FILE
+        if cached.is_file():
+            return gguf_quantized.load_quantized(cached)
+    return dict(gguf_quantized.iter_gguf_quantized(model_config.model, model_config.hf_config))
 
 
 @contextlib.contextmanager

@@ -2,8 +2,9 @@
 
 The first load of a GGUF checkpoint parses its metadata (its vocabulary field by field: seconds),
 builds a Hugging Face tokenizer from it (seconds more) and dequantizes every tensor. All of that is
-written once into an entry of the cache, a plain model folder: `config.json`, the tokenizer's files
-and `model.safetensors` in the dtype the engine runs, which later loads map from disk.
+written once into an entry of the cache, a plain model folder: `config.json`, the tokenizer's files,
+`model.safetensors` in the dtype the engine runs and, for a quantized file, the codes of its quantized
+tensors (`quantized_weights.st`), which later loads map from disk.
 
 - Where: `$STEPAHEAD_CACHE`, default `~/.cache/stepahead`; `STEPAHEAD_CACHE=off` (or the engine's
   `--no-model-cache`) turns it off.
@@ -30,7 +31,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # 2: the quantized codes (gguf_quantized.QUANT_FILE)
 MANIFEST = "manifest.json"
 _HEADER_BYTES = 1 << 20
 _WHOLE_HASH_LIMIT = 16 << 20  # files up to this size are hashed whole

@@ -90,6 +90,20 @@ def test_latency_splits_prefill_and_decode_steps(tiny_llama, tmp_path, capsys):
     assert "Avg latency:" in capsys.readouterr().out
 
 
+def test_latency_breakdown_splits_the_worker_step(tiny_llama, tmp_path, capsys):
+    out = tmp_path / "lat.json"
+    rc = main(["bench", "latency", "--model", str(tiny_llama), *ENGINE, "--batch-size", "2", "--input-len", "8",
+               "--output-len", "4", "--num-iters-warmup", "0", "--num-iters", "1", "--breakdown",
+               "--quantization", "int4", "--json", str(out)])
+    assert rc == 0
+    parts = json.loads(out.read_text())["summary"]["breakdown_ms_per_step"]
+    assert set(parts) == {"matmul", "attention", "kv_write", "kv_gather", "other_layers", "output_head",
+                          "sampler", "host"}
+    assert parts["matmul"] > 0 and parts["kv_write"] > 0 and parts["output_head"] > 0
+    assert all(value >= 0 for value in parts.values())
+    assert "breakdown over 4 worker steps" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("flags, field", [
     (["--rounds", "0", "--compare", "sync"], "rounds"),
     (["--num-prompts", "0"], "num_prompts"),

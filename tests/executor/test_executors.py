@@ -277,3 +277,21 @@ def test_stop_process_terminates_then_kills(ignore_sigterm, exitcode):
     assert ready.wait(timeout=120)
     stop_process(proc, exit_wait_s=0.0, grace_s=0.5)
     assert proc.exitcode == exitcode and not _pid_alive(proc.pid)
+
+
+@pytest.mark.parametrize("user_value", [None, "ACTIVE"])
+def test_worker_process_waits_passively_on_every_core_unless_told_otherwise(tiny_llama, monkeypatch, user_value):
+    if user_value is None:
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    else:
+        monkeypatch.setenv("OMP_WAIT_POLICY", user_value)
+    executor = MultiprocExecutor(_config(tiny_llama, "mp"))
+    try:
+        environ = Path(f"/proc/{executor.worker_pid}/environ").read_bytes().split(b"\0")
+        assert f"OMP_WAIT_POLICY={user_value or 'PASSIVE'}".encode() in environ
+        assert os.environ.get("OMP_WAIT_POLICY") == user_value  # the engine process's own is left as it was
+        cores = len(os.sched_getaffinity(0))
+        # Every core when waiting is passive; one left to the engine when the user chose otherwise.
+        assert executor.num_threads == (cores if user_value is None else max(1, cores - 1))
+    finally:
+        executor.shutdown()

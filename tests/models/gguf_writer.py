@@ -13,9 +13,13 @@ def _llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, hd // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(folder, path):
-    """The tiny safetensors model at folder as a GGUF file at path (f32 tensors, no tokenizer metadata)."""
+def write_gguf(folder, path, quant: dict[str, str] | None = None):
+    """The tiny safetensors model at folder as a GGUF file at path (no tokenizer metadata).
+
+    quant maps a GGUF tensor kind ("attn_q", "ffn_down", "output", ...) to the GGUF type it is
+    written in ("Q4_0", "Q4_1", "Q8_0"); other tensors are f32."""
     import gguf
+    import gguf.quants
     from safetensors.torch import load_file
 
     cfg = json.loads((folder / "config.json").read_text())
@@ -48,7 +52,12 @@ def write_gguf(folder, path):
         else:
             gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                      "lm_head.weight": "output.weight"}[name]
-        w.add_tensor(gname, np.ascontiguousarray(a))
+        kind_name = gname.split(".")[-2]
+        if quant and kind_name in quant:
+            qtype = getattr(gguf.GGMLQuantizationType, quant[kind_name])
+            w.add_tensor(gname, gguf.quants.quantize(np.ascontiguousarray(a), qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(gname, np.ascontiguousarray(a))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -1,0 +1,114 @@
+"""`--quantization`: which linear layers of a built model run on packed weights, and where the codes come from.
+
+- "gguf": the GGUF file's Q4_0 / Q4_1 / Q8_0 tensors stay quantized (their codes come from
+  models/gguf_quantized.py); other tensors stay dense.
+- "int4" / "int8": any checkpoint's projections quantized at load (int4: groups of 32 with scale and
+  offset; int8: one scale per row).
+- "none": every weight dense in the model's dtype (the reference path).
+- "auto": "gguf" on CPU when the checkpoint is a GGUF file holding such tensors, else "none".
+
+The swap runs after the dense model is built and loaded, and finds the projections by name (modules
+called qkv_proj, o_proj, gate_up_proj or down_proj holding a 2-D `.weight` [out, in]), so it works for
+any linear class that keeps that weight. A fused projection is quantized only when every part of it
+is. The embedding and the output head stay dense in the model's dtype: the kernels' bf16 outputs
+would round the logits (near-ties flipped greedy choices on the built-in model), and an int8 head was
+no faster at batch 1 (docs/BENCHMARKS.md section 14).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from stepahead.models.quant_weights import (
+    GGUF_QUANT_TYPES,
+    GroupQuantWeight,
+    cat_rows,
+    quantize_int4,
+    quantize_int8_rows,
+)
+from stepahead.models.quantized_linear import quantized_linear
+
+logger = logging.getLogger(__name__)
+
+QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8", "int4")
+LINEAR_NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+INT4_ROWS_MULTIPLE = 16  # torch's int4 CPU packing needs out_features % 16 == 0
+
+
+def resolve_quantization(requested: str, device: str, load_format: str, gguf_quantized: bool) -> str:
+    """The mode a model loads with; a ValueError naming the allowed values when it cannot apply."""
+    if requested not in QUANTIZATION_CHOICES:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {requested!r}")
+    if requested == "auto":
+        return "gguf" if device == "cpu" and load_format == "gguf" and gguf_quantized else "none"
+    if requested != "none" and device != "cpu":
+        raise ValueError(f"quantization {requested!r} runs on CPU only (its kernels are torch's CPU ones); "
+                         "use 'none' or 'auto' on CUDA")
+    if requested == "gguf" and not (load_format == "gguf" and gguf_quantized):
+        raise ValueError(f"quantization 'gguf' needs a GGUF file with {'/'.join(GGUF_QUANT_TYPES)} tensors; "
+                         "use 'int4', 'int8' or 'none' for this model")
+    return requested
+
+
+# -- the swap ------------------------------------------------------------------------------------
+
+def _source_weight(module_name: str, sources: dict[str, GroupQuantWeight]) -> GroupQuantWeight | None:
+    """The codes of a module from per-checkpoint-tensor codes (fusing parts), or None to keep it dense."""
+    prefix, _, leaf = module_name.rpartition(".")
+    hf_prefix = prefix if prefix.startswith("model.") else "model." + prefix
+    found = [sources.get(f"{hf_prefix}.{part}.weight") for part in FUSED_PARTS.get(leaf, (leaf,))]
+    if any(w is None for w in found):
+        return None
+    if len({(w.bits, w.group_size, w.mins is None) for w in found}) > 1:
+        logger.info("%s: parts quantized differently, kept dense", module_name)
+        return None
+    return cat_rows(found)
+
+
+def _packable(w: GroupQuantWeight) -> GroupQuantWeight:
+    if w.bits == 4 and w.shape[0] % INT4_ROWS_MULTIPLE:
+        return quantize_int8_rows(w.dequantize())
+    return w
+
+
+def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, leaf, module)
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module, mode: str, sources: dict[str, GroupQuantWeight] | None = None,
+                   keep_dense: bool = True) -> int:
+    """Swap the model's projections for packed ones; returns how many were swapped.
+
+    mode "gguf" takes the codes from sources (HF tensor name -> codes); "int4"/"int8" quantize the
+    loaded dense weights. keep_dense: each packed module also keeps its dequantized weight for steps
+    of many tokens (quantized_linear.PACKED_MAX_TOKENS), where dense GEMM is faster on CPU."""
+    if mode not in ("gguf", "int4", "int8"):
+        raise ValueError(f"quantize_model mode must be gguf, int4 or int8, got {mode!r}")
+    targets = [(name, m) for name, m in model.named_modules()
+               if name.rpartition(".")[2] in LINEAR_NAMES and getattr(m, "weight", None) is not None
+               and m.weight.dim() == 2]
+    swapped = 0
+    for name, module in targets:
+        if mode == "gguf":
+            weight = _source_weight(name, sources or {})
+        else:
+            weight = quantize_int4(module.weight) if mode == "int4" else quantize_int8_rows(module.weight)
+        if weight is None:
+            continue
+        if weight.shape != tuple(module.weight.shape):
+            raise ValueError(f"{name}: quantized weight has shape {weight.shape}, "
+                             f"the model's is {tuple(module.weight.shape)}")
+        packed = quantized_linear(_packable(weight), getattr(module, "bias", None))
+        if keep_dense:
+            # A GGUF model was loaded from the file's own dequantization: the same values, already there.
+            dense = module.weight.detach() if mode == "gguf" else weight.dequantize().to(module.weight.dtype)
+            packed.keep_dense(dense)
+        _set_module(model, name, packed)
+        swapped += 1
+    return swapped

@@ -1,0 +1,159 @@
+"""Quantized weights: GGUF block decoding, packed linears against their dequantized weights, and whole
+models (tiny GGUF files written here, the built-in SmolLM2) against the dense float32 reference path."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from stepahead.bench.full_forward import sequence_logits
+from stepahead.models import quantized_loader
+from stepahead.models.loader import load_model, load_model_config
+from stepahead.models.quant_weights import decode_gguf_blocks, quantize_int4, quantize_int8_rows
+from stepahead.models.quantized_linear import Int4Linear, Int8Linear, set_packed_max_tokens
+from tests.models.gguf_writer import write_gguf
+
+# bf16 activations against float32 ones: relative error of the output, over a K=64..576 dot product.
+LINEAR_RTOL = 2e-2
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_blocks_decode_exactly(type_name):
+    import gguf
+    import gguf.quants
+
+    qtype = getattr(gguf.GGMLQuantizationType, type_name)
+    dense = np.random.default_rng(0).standard_normal((48, 96)).astype(np.float32)
+    raw = gguf.quants.quantize(dense, qtype)
+    weight = decode_gguf_blocks(raw, type_name, (48, 96))
+    assert weight.bits == (8 if type_name == "Q8_0" else 4) and weight.group_size == 32
+    assert torch.equal(weight.dequantize(), torch.from_numpy(gguf.quants.dequantize(raw, qtype)))
+
+
+def _rel_err(y, ref):
+    return float((y - ref).abs().max() / ref.abs().max())
+
+
+@pytest.mark.parametrize("out_features,in_features", [(64, 64), (1536, 576)])
+def test_int4_linear_equals_its_dequantized_weight(out_features, in_features):
+    torch.manual_seed(0)
+    codes = quantize_int4(torch.randn(out_features, in_features))
+    layer = Int4Linear(codes, bias=torch.randn(out_features))
+    # The kernel's weight is the codes' weight up to bf16 scales and zeros.
+    assert _rel_err(layer.dequantized_weight(), codes.dequantize()) < 1e-2
+    x = torch.randn(5, in_features)
+    ref = x @ codes.dequantize().t() + layer.bias
+    y = layer(x)
+    assert y.dtype == torch.float32 and y.shape == (5, out_features)
+    assert _rel_err(y, ref) < LINEAR_RTOL
+
+
+def test_int8_linear_equals_its_dequantized_weight():
+    torch.manual_seed(0)
+    codes = quantize_int8_rows(torch.randn(96, 128))
+    layer = Int8Linear(codes)
+    x = torch.randn(3, 128)
+    assert _rel_err(layer(x), x @ codes.dequantize().t()) < LINEAR_RTOL
+    # Q8_0-style group scales are requantized to one scale per row, close to the block values.
+    from stepahead.models.quant_weights import GroupQuantWeight
+    q = torch.randint(-127, 128, (96, 128), dtype=torch.int8)
+    grouped = GroupQuantWeight(q, torch.rand(96, 4) * 0.01, None, 32, 8)
+    assert _rel_err(Int8Linear(grouped).dequantized_weight(), grouped.dequantize()) < 1e-2
+
+
+QUANT_TYPES = {"attn_q": "Q4_1", "attn_k": "Q4_1", "attn_v": "Q4_1", "attn_output": "Q8_0",
+               "ffn_gate": "Q4_0", "ffn_up": "Q4_0", "ffn_down": "Q4_1", "output": "Q8_0"}
+
+
+@pytest.fixture(scope="module")
+def quantized_gguf(tiny_model_factory, tmp_path_factory):
+    path = tmp_path_factory.mktemp("qgguf") / "tiny-q.gguf"
+    write_gguf(tiny_model_factory("llama"), path, QUANT_TYPES)
+    return path
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_quantized_gguf_model_follows_the_dequantized_one(quantized_gguf, use_cache, tmp_path, monkeypatch):
+    monkeypatch.setenv("STEPAHEAD_CACHE", str(tmp_path / "cache"))
+    packed_cfg = load_model_config(str(quantized_gguf), "cpu", quantization="auto", use_cache=use_cache)
+    dense_cfg = load_model_config(str(quantized_gguf), "cpu", quantization="none", use_cache=use_cache)
+    assert (packed_cfg.quantization, dense_cfg.quantization) == ("gguf", "none")
+    packed, dense = load_model(packed_cfg, "cpu"), load_model(dense_cfg, "cpu")
+    assert set_packed_max_tokens(packed, 1 << 30) > 0  # every row through the packed kernels
+    kinds = {type(m).__name__ for m in packed.modules()}
+    assert "Int4Linear" in kinds and type(packed.lm_head).__name__ == "Linear"  # the head stays dense
+    layer = packed.layers[0]
+    assert _rel_err(layer.self_attn.qkv_proj.dequantized_weight(), dense.layers[0].self_attn.qkv_proj.weight) < 1e-2
+    assert _rel_err(layer.mlp.down_proj.dequantized_weight(), dense.layers[0].mlp.down_proj.weight) < 1e-2
+    assert type(layer.self_attn.o_proj).__name__ == "Int8Linear"  # Q8_0
+    prompt = list(range(40, 104))
+    a, b = sequence_logits(packed, prompt), sequence_logits(dense, prompt)
+    assert float((a - b).abs().max()) < 0.05 * float(b.abs().max())
+
+
+def test_int4_and_int8_quantize_a_safetensors_model(tiny_llama):
+    dense = load_model(load_model_config(str(tiny_llama), "cpu", quantization="none"), "cpu")
+    prompt = list(range(3, 60))
+    ref = sequence_logits(dense, prompt)
+    for mode, tol in (("int8", 0.02), ("int4", 0.15)):
+        cfg = load_model_config(str(tiny_llama), "cpu", quantization=mode)
+        model = load_model(cfg, "cpu")
+        set_packed_max_tokens(model, 1 << 30)
+        assert type(model.layers[1].mlp.gate_up_proj).__name__ == ("Int4Linear" if mode == "int4" else "Int8Linear")
+        assert float((sequence_logits(model, prompt) - ref).abs().max()) < tol * float(ref.abs().max())
+
+
+def test_quantization_errors_name_the_allowed_values(tiny_llama, quantized_gguf):
+    with pytest.raises(ValueError, match="auto, none, gguf, int8, int4"):
+        quantized_loader.resolve_quantization("fp8", "cpu", "gguf", True)
+    with pytest.raises(ValueError, match="needs a GGUF file"):
+        load_model_config(str(tiny_llama), "cpu", quantization="gguf")
+    with pytest.raises(ValueError, match="CPU only"):
+        quantized_loader.resolve_quantization("int4", "cuda", "safetensors", False)
+    assert load_model_config(str(tiny_llama), "cpu").quantization == "none"  # auto: nothing to keep
+    assert quantized_loader.resolve_quantization("auto", "cuda", "gguf", True) == "none"
+
+
+def test_more_than_one_rank_loads_dense_weights(quantized_gguf):
+    """Packed codes are whole matrices, not split by rank: auto falls back to dense, explicit is an error."""
+    from stepahead.engine.arg_utils import EngineArgs
+
+    config = EngineArgs(model=str(quantized_gguf), tensor_parallel_size=2).create_engine_config()
+    assert config.model_config.quantization == "none"
+    assert EngineArgs(model=str(quantized_gguf)).create_engine_config().model_config.quantization == "gguf"
+    with pytest.raises(ValueError, match=r"quantization 'int4' runs on one rank only \(tensor_parallel_size=2"):
+        EngineArgs(model=str(quantized_gguf), tensor_parallel_size=2, quantization="int4").create_engine_config()
+
+
+def test_builtin_model_quantized_by_default_agrees_with_fp32():
+    from stepahead.models.loader import load_tokenizer
+
+    packed_cfg = load_model_config(None, "cpu", quantization="auto")
+    dense_cfg = load_model_config(None, "cpu", dtype="float32", quantization="none")
+    assert packed_cfg.quantization == "gguf"
+    packed, dense = load_model(packed_cfg, "cpu"), load_model(dense_cfg, "cpu")
+    set_packed_max_tokens(packed, 1 << 30)
+    tok = load_tokenizer(packed_cfg)
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                  add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    a, b = sequence_logits(packed, ids), sequence_logits(dense, ids)
+    assert float((a - b).abs().mean()) < 0.25  # logits span about 30; measured 0.12-0.14
+    assert float((a.argmax(-1) == b.argmax(-1)).float().mean()) > 0.9
+    from stepahead.bench.full_forward import greedy_tokens
+    assert "Paris" in tok.decode(greedy_tokens(packed, ids, 8))
+
+
+def test_steps_of_many_tokens_use_the_dense_copy_of_the_same_values():
+    from stepahead.models.quantized_linear import PACKED_MAX_TOKENS
+
+    torch.manual_seed(0)
+    codes = quantize_int4(torch.randn(64, 128))
+    layer = Int4Linear(codes)
+    layer.keep_dense(codes.dequantize())
+    x = torch.randn(PACKED_MAX_TOKENS + 8, 128)
+    dense_path = layer(x)  # more rows than PACKED_MAX_TOKENS: dense GEMM
+    packed_path = torch.cat([layer(x[i:i + 1]) for i in range(x.shape[0])])  # one row: the int4 kernel
+    assert torch.equal(dense_path, x @ codes.dequantize().t())
+    assert _rel_err(packed_path, dense_path) < LINEAR_RTOL
