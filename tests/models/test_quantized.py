@@ -82,7 +82,7 @@ def test_quantized_gguf_model_follows_the_dequantized_one(quantized_gguf, use_ca
     packed, dense = load_model(packed_cfg, "cpu"), load_model(dense_cfg, "cpu")
     assert set_packed_max_tokens(packed, 1 << 30) > 0  # every row through the packed kernels
     kinds = {type(m).__name__ for m in packed.modules()}
-    assert "Int4Linear" in kinds and type(packed.lm_head).__name__ == "Linear"  # the head stays dense
+    assert "Int4Linear" in kinds and type(packed.lm_head).__name__ == "ParallelLMHead"  # the head stays dense
     layer = packed.layers[0]
     assert _rel_err(layer.self_attn.qkv_proj.dequantized_weight(), dense.layers[0].self_attn.qkv_proj.weight) < 1e-2
     assert _rel_err(layer.mlp.down_proj.dequantized_weight(), dense.layers[0].mlp.down_proj.weight) < 1e-2
