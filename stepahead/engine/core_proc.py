@@ -75,7 +75,7 @@ class _Outbox:
 
 def _serve(config: EngineConfig, ctx: zmq.Context, input_addr: str, outbox: _Outbox, trace_path: str | None) -> int:
     from stepahead.executor import make_executor
-    from stepahead.executor.mp import MultiprocExecutor
+    from stepahead.executor.submitting import SubmittingExecutor
 
     try:
         executor = make_executor(config)
@@ -91,7 +91,7 @@ def _serve(config: EngineConfig, ctx: zmq.Context, input_addr: str, outbox: _Out
     in_sock.setsockopt(zmq.LINGER, 0)
     in_sock.bind(input_addr)  # before "ready"; the reader thread owns the socket from here on
     inbox: queue.Queue = queue.Queue()
-    if isinstance(executor, MultiprocExecutor):
+    if isinstance(executor, SubmittingExecutor):  # every executor but the scripted one
         executor.notify_on_failure(lambda error: inbox.put(_WorkerFailed(error)))
     reader = threading.Thread(target=_read_inputs, args=(in_sock, inbox),
                               name="stepahead-engine-input", daemon=True)

@@ -14,29 +14,28 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import threading
-from collections.abc import Callable
 from concurrent.futures import Future
 from multiprocessing.connection import wait
 from typing import Any
 
 from stepahead.config import EngineConfig
-from stepahead.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
-from stepahead.executor.abstract import Executor, WorkerError
+from stepahead.executor.abstract import WorkerError
 from stepahead.executor.common import default_worker_threads
-from stepahead.executor.pending import PendingCalls
 from stepahead.executor.spawn import (
     main_module_hidden,
     stop_process,
     worker_environment,
     worker_waits_passively,
 )
+from stepahead.executor.submitting import SubmittingExecutor
 from stepahead.executor.worker_proc import worker_main
 
 _SHUTDOWN_GRACE_S = 5.0
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(SubmittingExecutor):
     def __init__(self, config: EngineConfig) -> None:
+        super().__init__()
         self.config = config
         # All cores: the worker's OpenMP threads wait passively (spawn.WORKER_OMP_ENV).
         self.num_threads = config.num_threads or default_worker_threads(config.device, worker_waits_passively())
@@ -51,9 +50,6 @@ class MultiprocExecutor(Executor):
         worker_calls.close()
         worker_results.close()
         self._send_lock = threading.Lock()
-        self._pending = PendingCalls()
-        self._on_failure: Callable[[RuntimeError], None] | None = None
-        self._failure_lock = threading.Lock()
         try:
             self._wait_ready()
         except BaseException:
@@ -64,33 +60,14 @@ class MultiprocExecutor(Executor):
 
     # -- Executor API ---------------------------------------------------------------------------
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput | None]:
-        return self._submit("execute_model", scheduler_output)
-
-    def sample_tokens(self, grammar_output: GrammarOutput | None) -> Future[ModelRunnerOutput]:
-        return self._submit("sample_tokens", grammar_output)
-
     def check_health(self) -> None:
-        if self._pending.error is not None:
-            raise self._pending.error
+        super().check_health()
         if not self._pending.closed and not self._proc.is_alive():
             raise WorkerError(self._death_message())
 
     @property
     def worker_pid(self) -> int | None:
         return self._proc.pid
-
-    def notify_on_failure(self, callback: Callable[[RuntimeError], None]) -> None:
-        """Call callback(error) once when the worker fails or dies (from the reader thread, or now if it has).
-
-        Not called for a worker stopped by shutdown(). Pending futures fail either way; this is for a
-        caller that has none, such as an idle engine blocked on its own input queue.
-        """
-        with self._failure_lock:
-            self._on_failure = callback
-            error = self._pending.error
-        if error is not None:
-            self._notify_failure(error)
 
     def shutdown(self) -> None:
         if not self._pending.close():
@@ -163,12 +140,6 @@ class MultiprocExecutor(Executor):
     def _fail(self, error: WorkerError) -> None:
         self._pending.fail(error)
         self._notify_failure(self._pending.error or error)
-
-    def _notify_failure(self, error: RuntimeError) -> None:
-        with self._failure_lock:  # taking the callback under the lock makes it one call, whoever gets here first
-            callback, self._on_failure = self._on_failure, None
-        if callback is not None:
-            callback(error)
 
     def _death_message(self) -> str:
         return f"stepahead worker process (pid {self._proc.pid}) died unexpectedly ({_exit_text(self._proc.exitcode)})"

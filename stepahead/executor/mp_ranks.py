@@ -15,26 +15,25 @@ import contextlib
 import multiprocessing
 import pickle
 import threading
-from collections.abc import Callable
 from concurrent.futures import Future
 from multiprocessing.connection import wait
 from typing import Any
 
 from stepahead.config import EngineConfig
-from stepahead.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from stepahead.distributed.state import free_tcp_port, rank_of
-from stepahead.executor.abstract import Executor, WorkerError
+from stepahead.executor.abstract import WorkerError
 from stepahead.executor.common import RankSpec, default_worker_threads
-from stepahead.executor.pending import PendingCalls
 from stepahead.executor.spawn import main_module_hidden, stop_process
+from stepahead.executor.submitting import SubmittingExecutor
 from stepahead.executor.worker_proc import worker_main
 
 _SHUTDOWN_GRACE_S = 5.0
 _KILL_GRACE_S = 2.0  # a surviving rank of a failed world gets this long after SIGTERM
 
 
-class MultiprocRanksExecutor(Executor):
+class MultiprocRanksExecutor(SubmittingExecutor):
     def __init__(self, config: EngineConfig) -> None:
+        super().__init__()
         self.config = config
         p = config.parallel_config
         self.world_size = p.world_size
@@ -60,9 +59,6 @@ class MultiprocRanksExecutor(Executor):
         for conn in worker_ends:  # only the workers hold these ends now
             conn.close()
         self._send_lock = threading.Lock()
-        self._pending = PendingCalls()
-        self._on_failure: Callable[[RuntimeError], None] | None = None
-        self._failure_lock = threading.Lock()
         try:
             self._wait_ready()
         except BaseException:
@@ -73,15 +69,8 @@ class MultiprocRanksExecutor(Executor):
 
     # -- Executor API ---------------------------------------------------------------------------
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput | None]:
-        return self._submit("execute_model", scheduler_output)
-
-    def sample_tokens(self, grammar_output: GrammarOutput | None) -> Future[ModelRunnerOutput]:
-        return self._submit("sample_tokens", grammar_output)
-
     def check_health(self) -> None:
-        if self._pending.error is not None:
-            raise self._pending.error
+        super().check_health()
         if not self._pending.closed:
             for rank, proc in enumerate(self._procs):
                 if not proc.is_alive():
@@ -95,13 +84,6 @@ class MultiprocRanksExecutor(Executor):
     def worker_pid(self) -> int | None:
         """The sampler rank's process (the one whose outputs the engine reads)."""
         return self._procs[self.sampler_rank].pid
-
-    def notify_on_failure(self, callback: Callable[[RuntimeError], None]) -> None:
-        with self._failure_lock:
-            self._on_failure = callback
-            error = self._pending.error
-        if error is not None:
-            self._notify_failure(error)
 
     def shutdown(self) -> None:
         if not self._pending.close():
@@ -200,12 +182,6 @@ class MultiprocRanksExecutor(Executor):
         for proc in self._procs:
             stop_process(proc, _KILL_GRACE_S, _KILL_GRACE_S)
         self._notify_failure(self._pending.error or error)
-
-    def _notify_failure(self, error: RuntimeError) -> None:
-        with self._failure_lock:
-            callback, self._on_failure = self._on_failure, None
-        if callback is not None:
-            callback(error)
 
     def _death_message(self, rank: int) -> str:
         proc = self._procs[rank]

@@ -14,16 +14,15 @@ from __future__ import annotations
 import os
 import queue
 import threading
-from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
 from stepahead.config import EngineConfig
-from stepahead.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from stepahead.core.sched_output import ModelRunnerOutput
 from stepahead.distributed.state import rank_of
-from stepahead.executor.abstract import Executor, WorkerError
+from stepahead.executor.abstract import WorkerError
 from stepahead.executor.common import RankSpec, default_worker_threads
-from stepahead.executor.pending import PendingCalls
+from stepahead.executor.submitting import SubmittingExecutor
 
 _STOP = object()
 
@@ -58,8 +57,9 @@ class RankWorker:
         return output if self.calls.reports_outputs else None
 
 
-class RayExecutor(Executor):
+class RayExecutor(SubmittingExecutor):
     def __init__(self, config: EngineConfig) -> None:
+        super().__init__()
         try:
             import ray
             from ray.util.placement_group import placement_group
@@ -84,9 +84,6 @@ class RayExecutor(Executor):
                                   self._pg, placement_group_bundle_index=rank)).remote(config, num_threads)
             for rank in range(self.world_size)
         ]
-        self._pending = PendingCalls()
-        self._on_failure: Callable[[RuntimeError], None] | None = None
-        self._failure_lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         try:
@@ -102,23 +99,6 @@ class RayExecutor(Executor):
         self._resolver.start()
 
     # -- Executor API ---------------------------------------------------------------------------
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput | None]:
-        return self._submit("execute_model", scheduler_output)
-
-    def sample_tokens(self, grammar_output: GrammarOutput | None) -> Future[ModelRunnerOutput]:
-        return self._submit("sample_tokens", grammar_output)
-
-    def check_health(self) -> None:
-        if self._pending.error is not None:
-            raise self._pending.error
-
-    def notify_on_failure(self, callback: Callable[[RuntimeError], None]) -> None:
-        with self._failure_lock:
-            self._on_failure = callback
-            error = self._pending.error
-        if error is not None:
-            self._notify_failure(error)
 
     def shutdown(self) -> None:
         if not self._pending.close():
@@ -155,12 +135,6 @@ class RayExecutor(Executor):
                 self._notify_failure(self._pending.error or error)
                 return
             self._pending.resolve_oldest([outputs[self.sampler_rank]])
-
-    def _notify_failure(self, error: RuntimeError) -> None:
-        with self._failure_lock:
-            callback, self._on_failure = self._on_failure, None
-        if callback is not None:
-            callback(error)
 
     def _kill_actors(self) -> None:
         from ray.util.placement_group import remove_placement_group

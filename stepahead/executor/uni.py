@@ -13,37 +13,26 @@ from concurrent.futures import Future
 from typing import Any
 
 from stepahead.config import EngineConfig
-from stepahead.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
-from stepahead.executor.abstract import Executor, WorkerError
+from stepahead.executor.abstract import WorkerError
 from stepahead.executor.common import default_worker_threads, load_runner
 from stepahead.executor.output_resolver import OutputResolver
-from stepahead.executor.pending import PendingCalls
+from stepahead.executor.submitting import SubmittingExecutor
 
 _STOP = object()
 
 
-class UniProcExecutor(Executor):
+class UniProcExecutor(SubmittingExecutor):
     def __init__(self, config: EngineConfig) -> None:
+        super().__init__()
         self.config = config
         self.num_threads = config.num_threads or default_worker_threads(config.device)
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
-        self._pending = PendingCalls()
         ready: Future = Future()
         self._thread = threading.Thread(target=self._run, args=(ready,), name="stepahead-worker", daemon=True)
         self._thread.start()
         ready.result()  # re-raises a model-loading error here, in the caller
 
     # -- Executor API ---------------------------------------------------------------------------
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput | None]:
-        return self._submit("execute_model", scheduler_output)
-
-    def sample_tokens(self, grammar_output: GrammarOutput | None) -> Future[ModelRunnerOutput]:
-        return self._submit("sample_tokens", grammar_output)
-
-    def check_health(self) -> None:
-        if self._pending.error is not None:
-            raise self._pending.error
 
     def shutdown(self) -> None:
         if not self._pending.close():
@@ -95,3 +84,4 @@ class UniProcExecutor(Executor):
         err = WorkerError(f"stepahead worker raised in {where}: {e!r}")
         err.__cause__ = e
         self._pending.fail(err)
+        self._notify_failure(self._pending.error or err)
