@@ -156,13 +156,15 @@ def test_sigterm_drains_in_flight_requests(tiny_llama, tmp_path):
         srv.stop()
 
 
-@pytest.mark.parametrize("victim", ["worker", "engine"])
-def test_process_death_while_idle(tiny_llama, victim):
-    """A worker or engine process killed while no request runs: /health is 503 within 5 s, the server exits 1."""
-    srv = RemoteServer(tiny_llama, *SERVER_ARGS)
+@pytest.mark.parametrize("victim,extra_args", [("worker", ()), ("engine", ()),
+                                                ("rank", ("--pipeline-parallel-size", "2"))])
+def test_process_death_while_idle(tiny_llama, victim, extra_args):
+    """A worker (or one of two pipeline ranks) or the engine process killed while no request runs:
+    /health is 503 within 5 s, the server exits 1."""
+    srv = RemoteServer(tiny_llama, *SERVER_ARGS, *extra_args)
     try:
         pids = srv.process_tree()
-        os.kill(worker_pid(srv) if victim == "worker" else engine_pid(srv), signal.SIGKILL)
+        os.kill(engine_pid(srv) if victim == "engine" else worker_pid(srv), signal.SIGKILL)
         killed = time.monotonic()
         assert wait_until(lambda: _health(srv.url) == 503, timeout=5, interval=0.05), srv.log
         print(f"/health 503 {time.monotonic() - killed:.2f} s after killing the {victim}")
