@@ -119,14 +119,16 @@ def test_more_than_one_rank_loads_dense_weights(quantized_gguf):
     """Packed codes are whole matrices, not split by rank: auto falls back to dense, explicit is an error."""
     from stepahead.engine.arg_utils import EngineArgs
 
-    config = EngineArgs(model=str(quantized_gguf), tensor_parallel_size=2).create_engine_config()
+    config = EngineArgs(model=str(quantized_gguf), tensor_parallel_size=2, quantization="auto").create_engine_config()
     assert config.model_config.quantization == "none"
-    assert EngineArgs(model=str(quantized_gguf)).create_engine_config().model_config.quantization == "gguf"
+    one_rank = EngineArgs(model=str(quantized_gguf), quantization="auto").create_engine_config()
+    assert one_rank.model_config.quantization == "gguf"
+    assert EngineArgs(model=str(quantized_gguf)).create_engine_config().model_config.quantization == "none"
     with pytest.raises(ValueError, match=r"quantization 'int4' runs on one rank only \(tensor_parallel_size=2"):
         EngineArgs(model=str(quantized_gguf), tensor_parallel_size=2, quantization="int4").create_engine_config()
 
 
-def test_builtin_model_quantized_by_default_agrees_with_fp32():
+def test_builtin_model_packed_agrees_with_fp32():
     from stepahead.models.loader import load_tokenizer
 
     packed_cfg = load_model_config(None, "cpu", quantization="auto")
