@@ -11,6 +11,8 @@ from stepahead.validation import check_field
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_KV_CACHE_BYTES_CPU = 2 << 30
+# --quantization (models/quantized_loader.py says what each means).
+QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8", "int4")
 
 @dataclass
 class ModelConfig:

@@ -98,7 +98,7 @@ def main(ns: argparse.Namespace) -> int:
     if ns.num_iters_warmup < 0:
         raise ValueError(f"num_iters_warmup must be >= 0, got {ns.num_iters_warmup}")
     engine_args = engine_args_from_namespace(ns)
-    if getattr(ns, "breakdown", False):
+    if ns.breakdown:
         engine_args = dataclasses.replace(engine_args, executor="uni")  # the hooks time this process's model
     llm = make_llm(engine_args, None, trace=True)  # the per-step figures come from the trace
     timers = Timers()

@@ -8,11 +8,12 @@ config, KV pool size, batch-queue depth) into the EngineConfig the engine runs w
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 
 from stepahead.config import (
     DEFAULT_KV_CACHE_BYTES_CPU,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    QUANTIZATION_CHOICES,
     CacheConfig,
     EngineConfig,
     ParallelConfig,
@@ -29,7 +30,7 @@ CHOICES = {
     "device": ("auto", "cpu", "cuda"),
     "attention_backend": ("auto", "sdpa", "triton"),
     "structured_outputs_backend": ("xgrammar", "none"),
-    "quantization": ("auto", "none", "gguf", "int8", "int4"),
+    "quantization": QUANTIZATION_CHOICES,
 }
 
 
@@ -113,13 +114,16 @@ class EngineArgs:
                     "max_concurrent_batches", self.max_concurrent_batches, "must be >= 1")
         check_field(self.distributed_executor_backend in (None, "mp", "ray", "uni"), "distributed_executor_backend",
                     self.distributed_executor_backend, "must be one of mp, ray, uni")
-        parallel = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size)
-        check_field(parallel.world_size == 1 or self.resolve_executor() != "uni", "distributed_executor_backend",
+        world_size = self.parallel_config().world_size
+        check_field(world_size == 1 or self.resolve_executor() != "uni", "distributed_executor_backend",
                     "uni", f"runs one worker in the engine process; tensor_parallel_size={self.tensor_parallel_size} x "
                            f"pipeline_parallel_size={self.pipeline_parallel_size} ranks need mp or ray")
 
     def resolve_executor(self) -> str:
         return self.distributed_executor_backend or self.executor
+
+    def parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size)
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -140,15 +144,14 @@ class EngineArgs:
         from stepahead.models.loader import load_model_config
 
         device = self.resolve_device()
+        parallel_config = self.parallel_config()
         model_config = load_model_config(
             self.model, device, dtype=self.dtype, max_model_len=self.max_model_len, load_format=self.load_format,
             seed=self.seed, served_model_name=self.served_model_name, tokenizer=self.tokenizer,
             use_cache=self.model_cache, revision=self.revision, download_dir=self.download_dir,
             generation_config=self.generation_config, chat_template=self.chat_template,
-            quantization=self.quantization)
-        parallel_config = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size)
+            quantization=quantization_for_ranks(self.quantization, parallel_config))
         check_parallel(parallel_config, model_config, device, self.resolve_executor())
-        model_config = dense_when_parallel(model_config, parallel_config, self.quantization)
         max_model_len = model_config.max_model_len
         max_batched = self.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS,
                                                          0 if self.enable_chunked_prefill else max_model_len)
@@ -222,16 +225,16 @@ def check_parallel(parallel: ParallelConfig, model_config, device: str, executor
                              f"{available} visible (NCCL puts one rank on each device)")
 
 
-def dense_when_parallel(model_config, parallel: ParallelConfig, requested: str):
+def quantization_for_ranks(requested: str, parallel: ParallelConfig) -> str:
     """Packed (quantized) weights are whole-matrix codes, not split by rank: with more than one rank
     'auto' loads dense weights and an explicit quantization is a ValueError."""
-    if parallel.world_size == 1 or model_config.quantization == "none":
-        return model_config
+    if parallel.world_size == 1 or requested == "none":
+        return requested
     if requested != "auto":
         raise ValueError(f"quantization {requested!r} runs on one rank only (tensor_parallel_size="
                          f"{parallel.tensor_parallel_size}, pipeline_parallel_size={parallel.pipeline_parallel_size}); "
                          "use 'auto' or 'none'")
-    return replace(model_config, quantization="none")
+    return "none"
 
 
 def resolve_attention_backend(name: str, device: str) -> str:

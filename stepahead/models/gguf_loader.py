@@ -18,8 +18,7 @@ from stepahead.models.weights import WeightHandle
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 # Architectures whose converter permutes Q/K rows.
-_PERMUTED = {"llama", "mistral"}
-PERMUTED_ARCHITECTURES = _PERMUTED
+PERMUTED_ARCHITECTURES = {"llama", "mistral"}
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -30,15 +29,10 @@ _LAYER_NAMES = {
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-def _open(path: str):
+def open_reader(path: str):
     """The file's parsed reader; config and weights share it (parsing the metadata takes seconds)."""
     stat = Path(path).stat()
     return _open_version(path, stat.st_size, stat.st_mtime_ns)
-
-
-def open_reader(path: str):
-    """The file's parsed gguf.GGUFReader (shared with the config and the dense weights)."""
-    return _open(path)
 
 
 @functools.lru_cache(maxsize=2)  # keyed by size and mtime too: a file rewritten in place is parsed again
@@ -58,7 +52,7 @@ def _field(reader, key: str, default=None):
 
 def read_gguf_config(path: str) -> tuple[str, dict]:
     """(architecture, config.json-style dict) from a GGUF file's metadata."""
-    reader = _open(path)
+    reader = open_reader(path)
     arch = _field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(GGUF_ARCHITECTURES)})")
@@ -100,6 +94,17 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def permuted_heads(name: str, cfg: dict) -> int | None:
+    """The head count whose rows llama.cpp's converter permuted in this (HF-named) tensor, or None."""
+    if cfg.get("gguf_arch") not in PERMUTED_ARCHITECTURES:
+        return None
+    if name.endswith("self_attn.q_proj.weight"):
+        return cfg["num_attention_heads"]
+    if name.endswith("self_attn.k_proj.weight"):
+        return cfg["num_key_value_heads"]
+    return None
+
+
 def hf_name(name: str) -> str | None:
     parts = name.split(".")
     if parts[0] == "blk":
@@ -118,8 +123,7 @@ def iter_gguf_weights(path: str, cfg: dict) -> Iterator[tuple[str, torch.Tensor]
 def iter_gguf_weight_handles(path: str, cfg: dict) -> Iterator[tuple[str, WeightHandle]]:
     """(HF name, lazy handle) for every tensor of the file: a tensor is dequantized from the memmap only
     when the model reads it, so a pipeline stage never reads the layers of other stages."""
-    reader = _open(path)
-    permute = cfg.get("gguf_arch") in _PERMUTED
+    reader = open_reader(path)
     for t in reader.tensors:
         name = hf_name(t.name)
         if name is None:
@@ -127,19 +131,17 @@ def iter_gguf_weight_handles(path: str, cfg: dict) -> Iterator[tuple[str, Weight
                 continue
             raise ValueError(f"GGUF tensor {t.name!r} has no known mapping")
         shape = tuple(int(d) for d in reversed(t.shape))
-        read = functools.partial(_read_gguf_slice, t, name, shape, cfg, permute)
+        read = functools.partial(_read_gguf_slice, t, shape, permuted_heads(name, cfg))
         yield name, WeightHandle(shape, read)
 
 
-def _read_gguf_slice(t, name: str, shape: tuple[int, ...], cfg: dict, permute: bool,
-                     dim: int, start: int, length: int) -> torch.Tensor:
+def _read_gguf_slice(t, shape: tuple[int, ...], heads: int | None, dim: int, start: int,
+                     length: int) -> torch.Tensor:
     from gguf.quants import dequantize
 
     w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
-    if permute and name.endswith("self_attn.q_proj.weight"):
-        w = unpermute_qk(w, cfg["num_attention_heads"])
-    elif permute and name.endswith("self_attn.k_proj.weight"):
-        w = unpermute_qk(w, cfg["num_key_value_heads"])
+    if heads is not None:
+        w = unpermute_qk(w, heads)
     if w.ndim:
         w = w[tuple(slice(None) if d != dim else slice(start, start + length) for d in range(w.ndim))]
     return torch.from_numpy(np.array(w, dtype=np.float32, order="C"))  # copy: the file is mmapped read-only
@@ -156,10 +158,10 @@ def convert_to_folder(path: str, folder: Path, dtype: torch.dtype) -> None:
 
     _arch, cfg = read_gguf_config(path)
     (folder / "config.json").write_text(json.dumps(cfg, indent=1))
-    if _open(path).fields.get("tokenizer.ggml.model") is not None:
+    if open_reader(path).fields.get("tokenizer.ggml.model") is not None:
         tokenizer_folder, name = gguf_tokenizer_location(path)
         AutoTokenizer.from_pretrained(tokenizer_folder, gguf_file=name).save_pretrained(str(folder))
-    num_tensors = len(_open(path).tensors)
+    num_tensors = len(open_reader(path).tensors)
     weights = {name: w.to(dtype) for name, w in tqdm(iter_gguf_weights(path, cfg), total=num_tensors,
                                                       desc=f"Converting {Path(path).name} (first load only)")}
     save_file(weights, str(folder / "model.safetensors"))

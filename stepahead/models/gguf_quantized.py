@@ -18,7 +18,6 @@ QUANT_FILE = "quantized_weights.st"  # in a model-cache entry; not *.safetensors
 def iter_gguf_quantized(path: str, cfg: dict) -> Iterator[tuple[str, GroupQuantWeight]]:
     """(HF name, codes) for every Q4_0/Q4_1/Q8_0 tensor of a GGUF file, Q/K rows un-permuted."""
     reader = gguf_loader.open_reader(path)
-    permute = cfg.get("gguf_arch") in gguf_loader.PERMUTED_ARCHITECTURES
     for t in reader.tensors:
         name = gguf_loader.hf_name(t.name)
         if name is None or t.tensor_type.name not in GGUF_QUANT_TYPES:
@@ -27,12 +26,10 @@ def iter_gguf_quantized(path: str, cfg: dict) -> Iterator[tuple[str, GroupQuantW
         if len(shape) != 2:
             continue
         weight = decode_gguf_blocks(t.data, t.tensor_type.name, shape)
-        heads = {"self_attn.q_proj.weight": cfg["num_attention_heads"],
-                 "self_attn.k_proj.weight": cfg["num_key_value_heads"]}
-        for suffix, n_heads in heads.items():
-            if permute and name.endswith(suffix):
-                rows = np.arange(shape[0]).reshape(shape[0], 1)
-                weight = weight.take_rows(gguf_loader.unpermute_qk(rows, n_heads).reshape(-1))
+        heads = gguf_loader.permuted_heads(name, cfg)
+        if heads is not None:  # rows are independent codes: un-permute them as whole rows
+            rows = np.arange(shape[0]).reshape(shape[0], 1)
+            weight = weight.take_rows(gguf_loader.unpermute_qk(rows, heads).reshape(-1))
         yield name, weight
 
 

@@ -19,10 +19,7 @@ from stepahead.utils import cdiv
 
 
 class ParallelLinear(nn.Linear):
-    """nn.Linear over this rank's shard. `shard_dim` is the weight dimension split across ranks
-    (0: output features, column-parallel; 1: input features, row-parallel)."""
-
-    shard_dim = 0
+    """nn.Linear over this rank's shard (which rows or columns: the model's load_weights decides)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, ps: ParallelState = SINGLE) -> None:
         super().__init__(in_features, out_features, bias=bias)
@@ -32,14 +29,10 @@ class ParallelLinear(nn.Linear):
 class ColumnParallelLinear(ParallelLinear):
     """Output features split across the stage's ranks; each rank keeps its slice of the output (no comm)."""
 
-    shard_dim = 0
-
 
 class RowParallelLinear(ParallelLinear):
     """Input features split across ranks; the partial products are summed with an all-reduce.
     The bias (if any) is added once, after the sum."""
-
-    shard_dim = 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ps.tp_size == 1:

@@ -34,10 +34,19 @@ PACKED_MAX_TOKENS = 16
 
 
 class _PackedBase(nn.Module):
-    """The dense fallback shared by both packed linears."""
+    """What both packed linears share: the forward around their kernel (_packed_mm), the bias and the
+    dense fallback."""
 
-    dense: torch.Tensor | None
-    bias: nn.Parameter | None
+    def __init__(self, out_features: int, in_features: int, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = out_features, in_features
+        self.register_buffer("dense", None)
+        self.packed_max_tokens = PACKED_MAX_TOKENS
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def _packed_mm(self, flat: torch.Tensor) -> torch.Tensor:
+        """[rows, in] KERNEL_DTYPE activations times the packed weight: [rows, out]."""
+        raise NotImplementedError
 
     def keep_dense(self, weight: torch.Tensor, max_tokens: int = PACKED_MAX_TOKENS) -> None:
         """Also keep the dequantized weight [out, in], for steps of more than max_tokens rows."""
@@ -47,20 +56,19 @@ class _PackedBase(nn.Module):
         self.dense = weight.contiguous()
         self.packed_max_tokens = max_tokens
 
-    def _dense_forward(self, x: torch.Tensor) -> torch.Tensor | None:
-        if self.dense is None or x.numel() <= self.packed_max_tokens * self.in_features:
-            return None
-        return F.linear(x, self.dense, self.bias)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense is not None and x.numel() > self.packed_max_tokens * self.in_features:
+            return F.linear(x, self.dense, self.bias)
+        y = self._packed_mm(x.reshape(-1, self.in_features).to(KERNEL_DTYPE))
+        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
 
 
 class Int4Linear(_PackedBase):
     def __init__(self, weight: GroupQuantWeight, bias: torch.Tensor | None = None) -> None:
-        super().__init__()
-        self.register_buffer("dense", None)
-        self.packed_max_tokens = PACKED_MAX_TOKENS
         if weight.bits != 4 or weight.mins is None:
             raise ValueError("Int4Linear needs 4-bit codes with per-group offsets")
-        self.out_features, self.in_features = weight.shape
+        super().__init__(*weight.shape, bias)
         self.group_size = weight.group_size
         packed = torch._convert_weight_to_int4pack_for_cpu(weight.q.to(torch.int32).contiguous(), 1)
         zeros = weight.mins + 8 * weight.scales
@@ -68,16 +76,9 @@ class Int4Linear(_PackedBase):
         scales_zeros = torch.stack((weight.scales.t(), zeros.t()), dim=-1).to(KERNEL_DTYPE).contiguous()
         self.register_buffer("packed", packed)
         self.register_buffer("scales_zeros", scales_zeros)
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dense = self._dense_forward(x)
-        if dense is not None:
-            return dense
-        flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
-        y = torch._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, self.scales_zeros)
-        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+    def _packed_mm(self, flat: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, self.scales_zeros)
 
     def dequantized_weight(self) -> torch.Tensor:
         """The [out, in] float32 weight the kernel multiplies with (identity input through the kernel)."""
@@ -90,23 +91,13 @@ class Int4Linear(_PackedBase):
 
 class Int8Linear(_PackedBase):
     def __init__(self, weight: GroupQuantWeight, bias: torch.Tensor | None = None) -> None:
-        super().__init__()
-        self.register_buffer("dense", None)
-        self.packed_max_tokens = PACKED_MAX_TOKENS
         rows = to_int8_rows(weight)
-        self.out_features, self.in_features = rows.shape
+        super().__init__(*rows.shape, bias)
         self.register_buffer("qweight", rows.q.contiguous())
         self.register_buffer("scales", rows.scales.reshape(-1).to(KERNEL_DTYPE).contiguous())
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dense = self._dense_forward(x)
-        if dense is not None:
-            return dense
-        flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
-        y = torch._weight_int8pack_mm(flat, self.qweight, self.scales)
-        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+    def _packed_mm(self, flat: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(flat, self.qweight, self.scales)
 
     def dequantized_weight(self) -> torch.Tensor:
         return self.qweight.float() * self.scales.float().unsqueeze(1)

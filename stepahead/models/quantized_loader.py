@@ -22,6 +22,7 @@ import logging
 import torch
 from torch import nn
 
+from stepahead.config import QUANTIZATION_CHOICES
 from stepahead.models.quant_weights import (
     GGUF_QUANT_TYPES,
     GroupQuantWeight,
@@ -33,7 +34,6 @@ from stepahead.models.quantized_linear import quantized_linear
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8", "int4")
 LINEAR_NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 INT4_ROWS_MULTIPLE = 16  # torch's int4 CPU packing needs out_features % 16 == 0
