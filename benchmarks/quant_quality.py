@@ -4,13 +4,10 @@ The built-in model (or --model) loaded twice: with --quantization QUANT (default
 file's Q4_1/Q8_0 tensors kept packed) and with --quantization none --dtype float32 (the reference:
 the same quantized values dequantized to fp32). For N chat prompts:
 
-- greedy agreement: both engines generate T tokens greedily with at most 16 sequences in a step, so
-  the quantized engine's decode steps run the packed kernels (steps of more than
-  quantized_linear.PACKED_MAX_TOKENS tokens use the dequantized copy); the share of positions where
-  the tokens are equal, and the mean number of tokens before the first difference;
+- greedy agreement: both engines generate T tokens greedily; the share of positions where the
+  tokens are equal, and the mean number of tokens before the first difference;
 - logits: both models score the prompt + the reference continuation in one teacher-forced pass
-  (stepahead.bench.full_forward), the quantized one forced onto its packed kernels for every row;
-  max and mean absolute difference of the logits over the generated positions, and the share of
+  (stepahead.bench.full_forward); max and mean absolute difference of the logits over the generated positions, and the share of
   positions whose argmax agrees.
 
     .venv/bin/python benchmarks/quant_quality.py                   # 64 prompts x 64 tokens
@@ -28,7 +25,6 @@ import torch
 from stepahead import LLM, SamplingParams
 from stepahead.bench.full_forward import sequence_logits
 from stepahead.models.loader import load_model
-from stepahead.models.quantized_linear import set_packed_max_tokens
 
 TOPICS = ["France", "the Moon", "photosynthesis", "the Roman Empire", "Python lists", "rainbows", "volcanoes",
           "the heart", "gravity", "coffee", "the Internet", "penguins", "chess", "the ocean", "music", "bread"]
@@ -45,7 +41,6 @@ def generate(llm_kwargs: dict, chats: list, max_tokens: int):
         outs = llm.chat(chats, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
                         use_tqdm=False)
         model = load_model(llm.config.model_config, "cpu")
-    set_packed_max_tokens(model, 1 << 30)
     return [(list(o.prompt_token_ids), list(o.outputs[0].token_ids)) for o in outs], model
 
 

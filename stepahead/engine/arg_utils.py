@@ -44,13 +44,11 @@ class EngineArgs:
 
     model: str | None = _arg(None, "model folder or .gguf file (default: the built-in SmolLM2-135M-Instruct)")
     dtype: str = _arg("auto", "weights and activations dtype ('auto': chosen from the checkpoint and the device)")
-    # Dense by default: the packed kernels run steps of up to 16 tokens and the dense copy larger ones, so
-    # a request's tokens would depend on how it was batched (async vs sync, preempted or not).
     quantization: str = _arg(
-        "none", "weights kept packed on CPU: 'gguf' keeps a GGUF file's Q4_0/Q4_1/Q8_0 tensors quantized; "
-                "'int4'/'int8' quantize the projections at load; 'auto': 'gguf' for a quantized GGUF file on "
-                "CPU, else 'none'; 'none' (default): dense weights in --dtype, whose outputs do not depend on "
-                "how requests are batched")
+        "auto", "weights kept packed on CPU: 'gguf' keeps a GGUF file's Q4_0/Q4_1/Q8_0 tensors (and a quantized "
+                "output head) packed; 'int4'/'int8' quantize the projections at load; 'auto' (default): 'gguf' "
+                "for a quantized GGUF file on CPU with one rank, else 'none'; 'none': dense weights in --dtype "
+                "(the reference path)")
     seed: int = _arg(0, "random seed for dummy weights and unseeded sampling")
     max_model_len: int | None = _arg(None, "context length (default: the model's)")
     max_num_seqs: int = _arg(256, "most requests in one batch")

@@ -7,58 +7,41 @@
 - Int8Linear: int8 codes with one scale per row (GGUF Q8_0 requantized per row, or --quantization
   int8), multiplied by `torch._weight_int8pack_mm`.
 
-Both take activations in bfloat16 internally: on this kind of CPU (AVX-512 BF16, no AMX) the fp32
-variants of these kernels are 5-30x slower than their bf16 ones (docs/BENCHMARKS.md section 14), and
-the bf16 rounding of activations is far below the weights' own quantization error. Inputs and
-outputs keep the model's dtype. A step of few tokens reads 0.56 (int4) or 1 (int8) byte per weight
-instead of 4: such steps are bound by reading the weights.
+Both take activations in bfloat16 internally: the fp32 variants of these kernels are 5-30x slower
+than their bf16 ones (docs/BENCHMARKS.md section 14), and the bf16 rounding of activations is far below
+the weights' own quantization error. Inputs and outputs keep the model's dtype. A step of few tokens
+reads 0.56 (int4) or 1 (int8) byte per weight instead of 4: such steps are bound by reading the weights.
 
-Steps of many tokens are bound by arithmetic instead, and there these weight-only kernels lose to
-torch's dense fp32 GEMM on this CPU (2x slower at 256 tokens, about even at 32). So a module may
-also keep the dequantized weight (`dense`, in the model's dtype) and use it for steps of more than
-`packed_max_tokens` rows: both paths multiply by the same quantized values.
+Every step runs the packed kernel, whatever its size. The kernels compute each row on its own (a row's
+output is bitwise the same alone or among 512 rows, tested), so a request's tokens do not depend on
+what it was batched with: async equals sync and preempted equals unpreempted on packed weights too.
+Steps of many tokens pay for that: from about 64 rows these kernels are 2-2.6x slower than dense fp32
+GEMM on the dequantized weight, which a batch-dependent switch between the two would have saved.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from stepahead.models.quant_weights import GroupQuantWeight, to_int8_rows
 
 KERNEL_DTYPE = torch.bfloat16
-# Steps with more rows than this use the dense copy when the module keeps one (measured crossover,
-# docs/BENCHMARKS.md section 14).
-PACKED_MAX_TOKENS = 16
 
 
 class _PackedBase(nn.Module):
-    """What both packed linears share: the forward around their kernel (_packed_mm), the bias and the
-    dense fallback."""
+    """What both packed linears share: the forward around their kernel (_packed_mm) and the bias."""
 
     def __init__(self, out_features: int, in_features: int, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = out_features, in_features
-        self.register_buffer("dense", None)
-        self.packed_max_tokens = PACKED_MAX_TOKENS
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     def _packed_mm(self, flat: torch.Tensor) -> torch.Tensor:
         """[rows, in] KERNEL_DTYPE activations times the packed weight: [rows, out]."""
         raise NotImplementedError
 
-    def keep_dense(self, weight: torch.Tensor, max_tokens: int = PACKED_MAX_TOKENS) -> None:
-        """Also keep the dequantized weight [out, in], for steps of more than max_tokens rows."""
-        if tuple(weight.shape) != (self.out_features, self.in_features):
-            raise ValueError(f"dense weight has shape {tuple(weight.shape)}, expected "
-                             f"{(self.out_features, self.in_features)}")
-        self.dense = weight.contiguous()
-        self.packed_max_tokens = max_tokens
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dense is not None and x.numel() > self.packed_max_tokens * self.in_features:
-            return F.linear(x, self.dense, self.bias)
         y = self._packed_mm(x.reshape(-1, self.in_features).to(KERNEL_DTYPE))
         y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
@@ -104,17 +87,6 @@ class Int8Linear(_PackedBase):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"
-
-
-def set_packed_max_tokens(model: nn.Module, max_tokens: int) -> int:
-    """Set the row threshold of every packed module of model (a large value: always the packed
-    kernels, as quality checks need); returns how many modules were changed."""
-    changed = 0
-    for module in model.modules():
-        if isinstance(module, _PackedBase):
-            module.packed_max_tokens = max_tokens
-            changed += 1
-    return changed
 
 
 def quantized_linear(weight: GroupQuantWeight, bias: torch.Tensor | None = None) -> nn.Module:

@@ -10,9 +10,9 @@
 The swap runs after the dense model is built and loaded, and finds the projections by name (modules
 called qkv_proj, o_proj, gate_up_proj or down_proj holding a 2-D `.weight` [out, in]), so it works for
 any linear class that keeps that weight. A fused projection is quantized only when every part of it
-is. The embedding and the output head stay dense in the model's dtype: the kernels' bf16 outputs
-would round the logits (near-ties flipped greedy choices on the built-in model), and an int8 head was
-no faster at batch 1 (docs/BENCHMARKS.md section 14).
+is. The embedding and the output head stay dense in the model's dtype: the kernels round their
+outputs to bf16, and logits rounded so coarsely (steps of 0.06 near 16) flip near ties (the built-in
+model answered "What is the capital of France?" with "L'Étoile" instead of "The capital ... Paris").
 """
 
 from __future__ import annotations
@@ -81,13 +81,11 @@ def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
 
 
 @torch.no_grad()
-def quantize_model(model: nn.Module, mode: str, sources: dict[str, GroupQuantWeight] | None = None,
-                   keep_dense: bool = True) -> int:
+def quantize_model(model: nn.Module, mode: str, sources: dict[str, GroupQuantWeight] | None = None) -> int:
     """Swap the model's projections for packed ones; returns how many were swapped.
 
     mode "gguf" takes the codes from sources (HF tensor name -> codes); "int4"/"int8" quantize the
-    loaded dense weights. keep_dense: each packed module also keeps its dequantized weight for steps
-    of many tokens (quantized_linear.PACKED_MAX_TOKENS), where dense GEMM is faster on CPU."""
+    loaded dense weights."""
     if mode not in ("gguf", "int4", "int8"):
         raise ValueError(f"quantize_model mode must be gguf, int4 or int8, got {mode!r}")
     targets = [(name, m) for name, m in model.named_modules()
@@ -104,11 +102,7 @@ def quantize_model(model: nn.Module, mode: str, sources: dict[str, GroupQuantWei
         if weight.shape != tuple(module.weight.shape):
             raise ValueError(f"{name}: quantized weight has shape {weight.shape}, "
                              f"the model's is {tuple(module.weight.shape)}")
-        packed = quantized_linear(_packable(weight), getattr(module, "bias", None))
-        if keep_dense:
-            # A GGUF model was loaded from the file's own dequantization: the same values, already there.
-            dense = module.weight.detach() if mode == "gguf" else weight.dequantize().to(module.weight.dtype)
-            packed.keep_dense(dense)
-        _set_module(model, name, packed)
+        _set_module(model, name, quantized_linear(_packable(weight), getattr(module, "bias", None)))
         swapped += 1
     return swapped
+
