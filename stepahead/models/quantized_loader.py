@@ -10,9 +10,10 @@
 The swap runs after the dense model is built and loaded, and finds the projections by name (modules
 called qkv_proj, o_proj, gate_up_proj or down_proj holding a 2-D `.weight` [out, in]), so it works for
 any linear class that keeps that weight. A fused projection is quantized only when every part of it
-is. The embedding and the output head stay dense in the model's dtype: the kernels round their
-outputs to bf16, and logits rounded so coarsely (steps of 0.06 near 16) flip near ties (the built-in
-model answered "What is the capital of France?" with "L'Étoile" instead of "The capital ... Paris").
+is. In "gguf" mode the output head is packed too when the file holds it quantized, as a
+RescoredHead (models/packed_head.py: the packed kernel ranks the vocabulary, the best candidates get
+exact fp32 logits); "int4"/"int8" keep the head dense, as vLLM's weight-only methods do. The
+embedding stays dense in the model's dtype (a lookup reads a few rows).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 
 from stepahead.config import QUANTIZATION_CHOICES
+from stepahead.models.packed_head import RescoredHead
 from stepahead.models.quant_weights import (
     GGUF_QUANT_TYPES,
     GroupQuantWeight,
@@ -104,5 +106,21 @@ def quantize_model(model: nn.Module, mode: str, sources: dict[str, GroupQuantWei
                              f"the model's is {tuple(module.weight.shape)}")
         _set_module(model, name, quantized_linear(_packable(weight), getattr(module, "bias", None)))
         swapped += 1
+    if mode == "gguf" and _pack_head(model, sources or {}):
+        swapped += 1
     return swapped
+
+
+def _pack_head(model: nn.Module, sources: dict[str, GroupQuantWeight]) -> bool:
+    """Give the model a RescoredHead when the file holds its head quantized: its `output` tensor, or
+    `token_embd` when the embedding is tied (llama.cpp reads it so)."""
+    head = getattr(model, "lm_head", None)
+    if head is None:
+        return False
+    weight = sources.get("model.embed_tokens.weight" if model.args.tie_word_embeddings else "lm_head.weight")
+    dense = head.shard_weight().detach()
+    if weight is None or weight.shape != tuple(dense.shape):
+        return False
+    model.lm_head = RescoredHead(quantized_linear(_packable(weight)), dense)
+    return True
 

@@ -81,7 +81,7 @@ def test_quantized_gguf_model_follows_the_dequantized_one(quantized_gguf, use_ca
     assert (packed_cfg.quantization, dense_cfg.quantization) == ("gguf", "none")
     packed, dense = load_model(packed_cfg, "cpu"), load_model(dense_cfg, "cpu")
     kinds = {type(m).__name__ for m in packed.modules()}
-    assert "Int4Linear" in kinds and type(packed.lm_head).__name__ == "ParallelLMHead"  # the head stays dense
+    assert "Int4Linear" in kinds and type(packed.lm_head).__name__ == "RescoredHead"  # the file's Q8_0 output
     layer = packed.layers[0]
     assert _rel_err(layer.self_attn.qkv_proj.dequantized_weight(), dense.layers[0].self_attn.qkv_proj.weight) < 1e-2
     assert _rel_err(layer.mlp.down_proj.dequantized_weight(), dense.layers[0].mlp.down_proj.weight) < 1e-2
@@ -100,6 +100,7 @@ def test_int4_and_int8_quantize_a_safetensors_model(tiny_llama):
         model = load_model(cfg, "cpu")
         assert type(model.layers[1].mlp.gate_up_proj).__name__ == ("Int4Linear" if mode == "int4" else "Int8Linear")
         assert float((sequence_logits(model, prompt) - ref).abs().max()) < tol * float(ref.abs().max())
+        assert type(model.lm_head).__name__ == "ParallelLMHead"  # int4/int8 keep the head dense, as vLLM
 
 
 def test_quantization_errors_name_the_allowed_values(tiny_llama, quantized_gguf):
@@ -133,6 +134,7 @@ def test_builtin_model_packed_agrees_with_fp32():
     dense_cfg = load_model_config(None, "cpu", dtype="float32", quantization="none")
     assert packed_cfg.quantization == "gguf"
     packed, dense = load_model(packed_cfg, "cpu"), load_model(dense_cfg, "cpu")
+    assert type(packed.lm_head).__name__ == "RescoredHead"  # on the tied Q8_0 token_embd, as llama.cpp
     tok = load_tokenizer(packed_cfg)
     ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                   add_generation_prompt=True, tokenize=True)
@@ -157,3 +159,22 @@ def test_a_row_is_computed_the_same_in_any_batch(bits):
         batch = layer(x[:rows])
         assert torch.equal(batch[0], alone[0]) and torch.equal(batch[7], alone[1])
     assert torch.equal(layer(x)[299], alone[2])
+
+
+def test_rescored_head_gives_the_dense_heads_best_logits_row_by_row():
+    from stepahead.models.packed_head import RESCORED_LOGITS, RescoredHead
+
+    torch.manual_seed(0)
+    codes = quantize_int8_rows(torch.randn(512, 64))
+    dense = codes.dequantize()
+    head = RescoredHead(Int8Linear(codes), dense)
+    hidden = torch.randn(40, 64) * 4
+    logits, ref = head(hidden), hidden @ dense.t()
+    assert torch.equal(logits.argmax(-1), ref.argmax(-1))
+    top = ref.topk(RESCORED_LOGITS // 2, dim=-1)
+    # The best candidates carry the dense head's logits (up to fp32 summation order) ...
+    assert torch.allclose(logits.gather(-1, top.indices), top.values, rtol=1e-5, atol=0)
+    # ... the rest the packed kernel's bf16-rounded ones, which are visibly coarser.
+    assert float((logits - ref).abs().max()) > 1e-3
+    alone = torch.cat([head(hidden[i:i + 1]) for i in range(hidden.shape[0])])
+    assert torch.equal(alone, head(hidden))  # a row's logits do not depend on its batch
