@@ -104,10 +104,7 @@ def quantize_model(model: nn.Module, mode: str, sources: dict[str, GroupQuantWei
         if weight.shape != tuple(module.weight.shape):
             raise ValueError(f"{name}: quantized weight has shape {weight.shape}, "
                              f"the model's is {tuple(module.weight.shape)}")
-        packed = quantized_linear(_packable(weight), getattr(module, "bias", None))
-        # For prompt rows. A GGUF model was loaded from the file's own dequantization: the same values.
-        packed.keep_dense(module.weight.detach() if mode == "gguf" else weight.dequantize().to(module.weight.dtype))
-        _set_module(model, name, packed)
+        _set_module(model, name, quantized_linear(_packable(weight), getattr(module, "bias", None)))
         swapped += 1
     if mode == "gguf" and _pack_head(model, sources or {}):
         swapped += 1

@@ -178,22 +178,3 @@ def test_rescored_head_gives_the_dense_heads_best_logits_row_by_row():
     assert float((logits - ref).abs().max()) > 1e-3
     alone = torch.cat([head(hidden[i:i + 1]) for i in range(hidden.shape[0])])
     assert torch.equal(alone, head(hidden))  # a row's logits do not depend on its batch
-
-
-def test_prompt_rows_run_the_dense_weight_and_generated_rows_the_packed_kernel():
-    from stepahead.models.prompt_rows import ALL_PROMPT_ROWS, PromptRows
-
-    torch.manual_seed(0)
-    codes = quantize_int4(torch.randn(64, 128))
-    layer = Int4Linear(codes, bias=torch.randn(64))
-    layer.keep_dense(codes.dequantize())
-    x = torch.randn(10, 128)
-    dense = torch.nn.functional.linear(x, codes.dequantize(), layer.bias)
-    packed = layer(x)  # no prompt rows: every row on the packed kernel
-    assert not torch.equal(packed, dense) and _rel_err(packed, dense) < LINEAR_RTOL
-    assert torch.equal(layer(x, ALL_PROMPT_ROWS), dense)
-    prompt = torch.tensor([2, 3, 4, 7])
-    others = torch.tensor([0, 1, 5, 6, 8, 9])
-    mixed = layer(x, PromptRows(prompt, others))
-    assert torch.equal(mixed[prompt], torch.nn.functional.linear(x[prompt], codes.dequantize(), layer.bias))
-    assert torch.equal(mixed[others], packed[others])  # the packed kernel is row-invariant
