@@ -7,8 +7,8 @@ the same quantized values dequantized to fp32). For N chat prompts:
 - greedy agreement: both engines generate T tokens greedily; the share of positions where the
   tokens are equal, and the mean number of tokens before the first difference;
 - logits: both models score the prompt + the reference continuation in one teacher-forced pass
-  (stepahead.bench.full_forward); max and mean absolute difference of the logits over the generated positions, and the share of
-  positions whose argmax agrees.
+  (stepahead.bench.full_forward); max and mean absolute difference of the logits over the
+  generated positions, and the share of positions whose argmax agrees.
 
     .venv/bin/python benchmarks/quant_quality.py                   # 64 prompts x 64 tokens
     .venv/bin/python benchmarks/quant_quality.py --quantization int8 --json out.json

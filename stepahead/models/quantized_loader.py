@@ -84,7 +84,8 @@ def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
 
 @torch.no_grad()
 def quantize_model(model: nn.Module, mode: str, sources: dict[str, GroupQuantWeight] | None = None) -> int:
-    """Swap the model's projections for packed ones; returns how many were swapped.
+    """Swap the model's projections (and in "gguf" mode a quantized head) for packed ones; returns how
+    many modules were swapped.
 
     mode "gguf" takes the codes from sources (HF tensor name -> codes); "int4"/"int8" quantize the
     loaded dense weights."""
@@ -123,4 +124,3 @@ def _pack_head(model: nn.Module, sources: dict[str, GroupQuantWeight]) -> bool:
         return False
     model.lm_head = RescoredHead(quantized_linear(_packable(weight)), dense)
     return True
-
