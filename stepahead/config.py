@@ -104,6 +104,11 @@ class ParallelConfig:
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
+    @property
+    def sampler_rank(self) -> int:
+        """The rank that samples and reports outputs: tensor rank 0 of the last stage (rank = pp * tp + tp_rank)."""
+        return (self.pipeline_parallel_size - 1) * self.tensor_parallel_size
+
 
 @dataclass
 class EngineConfig:

@@ -22,6 +22,7 @@ from stepahead.config import EngineConfig
 from stepahead.executor.abstract import WorkerError
 from stepahead.executor.common import default_worker_threads
 from stepahead.executor.spawn import (
+    exit_text,
     main_module_hidden,
     stop_process,
     worker_environment,
@@ -114,7 +115,7 @@ class MultiprocExecutor(SubmittingExecutor):
                     raise WorkerError(f"stepahead worker process failed to start: {payload}")
             self._proc.join(timeout=_SHUTDOWN_GRACE_S)
             raise WorkerError(
-                f"stepahead worker process exited during startup ({_exit_text(self._proc.exitcode)}). "
+                f"stepahead worker process exited during startup ({exit_text(self._proc.exitcode)}). "
                 "The worker is started with multiprocessing 'spawn'; if it failed while importing your "
                 "script, guard the script's entry point with `if __name__ == '__main__':`."
             )
@@ -142,7 +143,7 @@ class MultiprocExecutor(SubmittingExecutor):
         self._notify_failure(self._pending.error or error)
 
     def _death_message(self) -> str:
-        return f"stepahead worker process (pid {self._proc.pid}) died unexpectedly ({_exit_text(self._proc.exitcode)})"
+        return f"stepahead worker process (pid {self._proc.pid}) died unexpectedly ({exit_text(self._proc.exitcode)})"
 
     def _stop_process(self) -> None:
         """Join the worker; terminate, then kill, one that does not exit on its own. No orphans."""
@@ -153,11 +154,3 @@ class MultiprocExecutor(SubmittingExecutor):
         for conn in (self._calls, self._results):
             with contextlib.suppress(OSError):
                 conn.close()
-
-
-def _exit_text(code: int | None) -> str:
-    if code is None:
-        return "still running"
-    if code < 0:
-        return f"killed by signal {-code}"
-    return f"exit code {code}"

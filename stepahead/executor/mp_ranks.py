@@ -20,10 +20,10 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from stepahead.config import EngineConfig
-from stepahead.distributed.state import free_tcp_port, rank_of
+from stepahead.distributed.state import free_tcp_port
 from stepahead.executor.abstract import WorkerError
 from stepahead.executor.common import RankSpec, default_worker_threads
-from stepahead.executor.spawn import main_module_hidden, stop_process
+from stepahead.executor.spawn import exit_text, main_module_hidden, stop_process
 from stepahead.executor.submitting import SubmittingExecutor
 from stepahead.executor.worker_proc import worker_main
 
@@ -37,7 +37,7 @@ class MultiprocRanksExecutor(SubmittingExecutor):
         self.config = config
         p = config.parallel_config
         self.world_size = p.world_size
-        self.sampler_rank = rank_of(p.pipeline_parallel_size - 1, 0, p.tensor_parallel_size)
+        self.sampler_rank = p.sampler_rank
         self.num_threads = config.num_threads or default_worker_threads(config.device)
         spawn = multiprocessing.get_context("spawn")
         port = free_tcp_port()
@@ -137,7 +137,7 @@ class MultiprocRanksExecutor(SubmittingExecutor):
                 rank = conns.get(ready, sentinels.get(ready))
                 self._procs[rank].join(timeout=_SHUTDOWN_GRACE_S)
                 raise WorkerError(f"stepahead worker rank {rank} exited during startup "
-                                  f"({_exit_text(self._procs[rank].exitcode)}). Workers are started with "
+                                  f"({exit_text(self._procs[rank].exitcode)}). Workers are started with "
                                   "multiprocessing 'spawn'; guard your script's entry point with "
                                   "`if __name__ == '__main__':`.")
         self.num_kv_blocks = blocks[self.sampler_rank]
@@ -186,7 +186,7 @@ class MultiprocRanksExecutor(SubmittingExecutor):
     def _death_message(self, rank: int) -> str:
         proc = self._procs[rank]
         return (f"stepahead worker rank {rank} (pid {proc.pid}) died unexpectedly "
-                f"({_exit_text(proc.exitcode)}); the other ranks were stopped")
+                f"({exit_text(proc.exitcode)}); the other ranks were stopped")
 
     def _stop_processes(self) -> None:
         for proc in self._procs:
@@ -197,11 +197,3 @@ class MultiprocRanksExecutor(SubmittingExecutor):
         for conn in (*self._calls, *self._results):
             with contextlib.suppress(OSError):
                 conn.close()
-
-
-def _exit_text(code: int | None) -> str:
-    if code is None:
-        return "still running"
-    if code < 0:
-        return f"killed by signal {-code}"
-    return f"exit code {code}"

@@ -19,7 +19,6 @@ from typing import Any
 
 from stepahead.config import EngineConfig
 from stepahead.core.sched_output import ModelRunnerOutput
-from stepahead.distributed.state import rank_of
 from stepahead.executor.abstract import WorkerError
 from stepahead.executor.common import RankSpec, default_worker_threads
 from stepahead.executor.submitting import SubmittingExecutor
@@ -70,7 +69,7 @@ class RayExecutor(SubmittingExecutor):
         self.config = config
         p = config.parallel_config
         self.world_size = p.world_size
-        self.sampler_rank = rank_of(p.pipeline_parallel_size - 1, 0, p.tensor_parallel_size)
+        self.sampler_rank = p.sampler_rank
         num_threads = config.num_threads or default_worker_threads(config.device)
         if not ray.is_initialized():
             ray.init(ignore_reinit_error=True)  # RAY_ADDRESS's cluster, or a local one

@@ -75,3 +75,12 @@ def stop_process(proc: BaseProcess, exit_wait_s: float, grace_s: float) -> None:
     if proc.is_alive():
         proc.kill()
         proc.join()
+
+
+def exit_text(code: int | None) -> str:
+    """A worker process's exit code in words, for error messages."""
+    if code is None:
+        return "still running"
+    if code < 0:
+        return f"killed by signal {-code}"
+    return f"exit code {code}"

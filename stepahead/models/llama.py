@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -208,6 +209,17 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+class _ShardRead(NamedTuple):
+    """The part of a checkpoint tensor a rank loads: `length` entries from `start` along `dim` (where
+    the checkpoint holds `full`), into the parameter's rows from `offset` (None: the whole parameter)."""
+
+    offset: int | None
+    dim: int
+    start: int
+    length: int
+    full: int
+
+
 class LlamaForCausalLM(nn.Module):
     """The whole model at one rank, or one rank's part of it: with tensor parallelism every layer holds
     its shard (RankShard); with pipeline parallelism the stage holds the layers stage_layers() names, the
@@ -265,8 +277,7 @@ class LlamaForCausalLM(nn.Module):
         q_local, kv_local = shard.num_heads * hd, shard.num_kv_heads * hd
         inter = shard.intermediate_size
         q_all, kv_all = a.num_heads * hd, a.num_kv_heads * hd
-        # checkpoint projection -> (target, offset in the fused target or None, dim read along, first index,
-        # length, the checkpoint's size along that dim)
+        # checkpoint projection -> (fused target, where this rank's slice is read from and goes)
         split = {
             "self_attn.q_proj.": ("self_attn.qkv_proj.", 0, 0, ps.tp_rank * q_local, q_local, q_all),
             "self_attn.k_proj.": ("self_attn.qkv_proj.", q_local, 0, shard.kv_head_start * hd, kv_local, kv_all),
@@ -287,10 +298,10 @@ class LlamaForCausalLM(nn.Module):
             if local is None:  # another stage's
                 continue
             handle = as_handle(w)
-            target, part = local, None
+            target, read = local, None
             for proj, (fused, *where) in split.items():
                 if proj in local:
-                    target, part = local.replace(proj, fused), tuple(where)
+                    target, read = local.replace(proj, fused), _ShardRead(*where)
             if target not in params:
                 raise ValueError(f"unexpected weight {name!r} for {a.architecture}")
             p = params[target]
@@ -298,26 +309,25 @@ class LlamaForCausalLM(nn.Module):
                 vocab_start, _ = vocab_shard(a.vocab_size, ps)
                 rows = max(0, min(p.shape[0], handle.shape[0] - vocab_start))
                 p[rows:].zero_()  # the padding of the last vocabulary slice
-                dst, part = p.narrow(0, 0, rows), (0, 0, vocab_start, rows, a.vocab_size)
-            elif part is None or part[0] is None:
+                dst, read = p.narrow(0, 0, rows), _ShardRead(0, 0, vocab_start, rows, a.vocab_size)
+            elif read is None or read.offset is None:
                 dst = p
             else:
-                dst = p.narrow(0, part[0], part[3])
+                dst = p.narrow(0, read.offset, read.length)
             expected = tuple(dst.shape)
-            if part is None:
+            if read is None:
                 ok = tuple(handle.shape) == expected
             else:
-                _, dim, _, length, full = part
                 shape = list(handle.shape)
-                ok = len(shape) > dim and shape[dim] == full
+                ok = len(shape) > read.dim and shape[read.dim] == read.full
                 if ok:
-                    shape[dim] = length
+                    shape[read.dim] = read.length
                 ok = ok and tuple(shape) == expected
             if not ok:
                 of_rank = f" (rank {ps.rank}'s part)" if ps.world_size > 1 else ""
                 raise ValueError(f"weight {name!r} has shape {tuple(handle.shape)}, expected {expected}{of_rank}")
-            whole = part is None or (part[2] == 0 and part[3] == handle.shape[part[1]])
-            dst.copy_(handle.load() if whole else handle.narrow(part[1], part[2], part[3]))
+            whole = read is None or (read.start == 0 and read.length == handle.shape[read.dim])
+            dst.copy_(handle.load() if whole else handle.narrow(read.dim, read.start, read.length))
             seen.add(local)
         missing = [n for n in self.expected_weight_names() if n not in seen]
         if missing:
