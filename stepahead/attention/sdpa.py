@@ -153,7 +153,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Layer
     num_tokens, num_heads, hd = q.shape
     nkv = k.shape[1]
     group = num_heads // nkv
-    out = torch.empty_like(q)
+    out = q.new_empty(q.shape)  # contiguous even when q is a view of the fused projection
     for g in meta.decode_groups:
         # Grouped-query trick: the `group` query heads that share a KV head become `group` query rows,
         # so no K/V repeat is needed. SDPA sees kv heads as its batch and rows as its heads.

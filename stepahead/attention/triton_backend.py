@@ -29,7 +29,7 @@ class TritonMetadata:
         from stepahead.attention import triton_paged
 
         triton_paged.write_kv(k, v, kv.k_cache, kv.v_cache, self.slot_mapping)
-        out = torch.empty_like(q)
+        out = q.new_empty(q.shape)  # contiguous even when q is a view of the fused projection
         triton_paged.paged_attention(q, kv.k_cache, kv.v_cache, self.block_table, self.seq_lens,
                                      self.query_start_loc, max_query_len=self.max_query_len, scale=scale, out=out)
         return out

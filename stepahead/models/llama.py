@@ -173,14 +173,15 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, kv, meta) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = paged_attention(q, k, v.contiguous(), kv, meta, self.scale)
+        heads = self.qkv_proj(x).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        qk_heads, v = heads.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
+        if self.q_norm is None:
+            # q and k sit side by side in the fused projection: one rope over both halves the ops.
+            q, k = apply_rope(qk_heads, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        else:
+            q, k = qk_heads.split([self.num_heads, self.num_kv_heads], dim=1)
+            q, k = apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin)
+        o = paged_attention(q, k, v, kv, meta, self.scale)
         return self.o_proj(o.view(t, self.q_size))
 
 
