@@ -25,6 +25,7 @@ from stepahead.models.parallel_layers import (
     VocabParallelEmbedding,
     vocab_shard,
 )
+from stepahead.models.prompt_rows import PromptRows
 from stepahead.models.weights import as_handle
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -171,9 +172,9 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
         self.scale = a.head_dim ** -0.5
 
-    def forward(self, x, cos, sin, kv, meta) -> torch.Tensor:
+    def forward(self, x, cos, sin, kv, meta, prompt_rows: PromptRows | None = None) -> torch.Tensor:
         t = x.shape[0]
-        heads = self.qkv_proj(x).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        heads = self.qkv_proj(x, prompt_rows).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         qk_heads, v = heads.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.q_norm is None:
             # q and k sit side by side in the fused projection: one rope over both halves the ops.
@@ -182,7 +183,7 @@ class Attention(nn.Module):
             q, k = qk_heads.split([self.num_heads, self.num_kv_heads], dim=1)
             q, k = apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin)
         o = paged_attention(q, k, v, kv, meta, self.scale)
-        return self.o_proj(o.view(t, self.q_size))
+        return self.o_proj(o.view(t, self.q_size), prompt_rows)
 
 
 class MLP(nn.Module):
@@ -192,9 +193,9 @@ class MLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(a.hidden_size, 2 * self.inter, False, ps)
         self.down_proj = RowParallelLinear(self.inter, a.hidden_size, False, ps)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        g, u = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
-        return self.down_proj(F.silu(g) * u)
+    def forward(self, x: torch.Tensor, prompt_rows: PromptRows | None = None) -> torch.Tensor:
+        g, u = self.gate_up_proj(x, prompt_rows).split([self.inter, self.inter], dim=-1)
+        return self.down_proj(F.silu(g) * u, prompt_rows)
 
 
 class DecoderLayer(nn.Module):
@@ -205,9 +206,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
-    def forward(self, h, cos, sin, kv, meta):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h, cos, sin, kv, meta, prompt_rows: PromptRows | None = None):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv, meta, prompt_rows)
+        return h + self.mlp(self.post_attention_layernorm(h), prompt_rows)
 
 
 class _ShardRead(NamedTuple):
@@ -249,10 +250,11 @@ class LlamaForCausalLM(nn.Module):
         self.rope_cache = torch.stack((emb.cos(), emb.sin()), dim=1).to(dtype=dtype, device=device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: PagedKVCache,
-                meta, hidden: torch.Tensor | None = None) -> torch.Tensor:
+                meta, hidden: torch.Tensor | None = None, prompt_rows: PromptRows | None = None) -> torch.Tensor:
         """The first stage embeds input_ids; a later one continues from hidden (the previous stage's
         output; zeros when None, for a memory-profiling dummy step). The last stage returns normed
-        hidden states, the others the residual stream to send on. kv_cache holds this stage's layers."""
+        hidden states, the others the residual stream to send on. kv_cache holds this stage's layers;
+        prompt_rows says which rows are prompt tokens (packed weights run them dense)."""
         if self.ps.is_first_stage:
             h = self.embed_tokens(input_ids)
         else:
@@ -260,7 +262,7 @@ class LlamaForCausalLM(nn.Module):
         cs = self.rope_cache.index_select(0, positions)  # [T, 2, hd]
         cos, sin = cs[:, 0:1], cs[:, 1:2]
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, kv_cache.layer(i), meta)
+            h = layer(h, cos, sin, kv_cache.layer(i), meta, prompt_rows)
         return self.norm(h) if self.ps.is_last_stage else h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -15,15 +15,22 @@ from torch import nn
 
 from stepahead.distributed.comm import tp_all_gather_last_dim, tp_all_reduce
 from stepahead.distributed.state import SINGLE, ParallelState
+from stepahead.models.prompt_rows import PromptRows
 from stepahead.utils import cdiv
 
 
 class ParallelLinear(nn.Linear):
-    """nn.Linear over this rank's shard (which rows or columns: the model's load_weights decides)."""
+    """nn.Linear over this rank's shard (which rows or columns: the model's load_weights decides).
+
+    Every projection of the model takes (x, prompt_rows): packed replacements run prompt rows on
+    other weights (models/prompt_rows.py); a dense layer runs every row the same way and ignores it."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, ps: ParallelState = SINGLE) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.ps = ps
+
+    def forward(self, x: torch.Tensor, prompt_rows: PromptRows | None = None) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(ParallelLinear):
@@ -34,7 +41,7 @@ class RowParallelLinear(ParallelLinear):
     """Input features split across ranks; the partial products are summed with an all-reduce.
     The bias (if any) is added once, after the sum."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, prompt_rows: PromptRows | None = None) -> torch.Tensor:
         if self.ps.tp_size == 1:
             return F.linear(x, self.weight, self.bias)
         out = tp_all_reduce(F.linear(x, self.weight), self.ps)

@@ -12,11 +12,12 @@ than their bf16 ones (docs/BENCHMARKS.md section 14), and the bf16 rounding of a
 the weights' own quantization error. Inputs and outputs keep the model's dtype. A step of few tokens
 reads 0.56 (int4) or 1 (int8) byte per weight instead of 4: such steps are bound by reading the weights.
 
-Every step runs the packed kernel, whatever its size. The kernels compute each row on its own (a row's
-output is bitwise the same alone or among 512 rows, tested), so a request's tokens do not depend on
-what it was batched with: async equals sync and preempted equals unpreempted on packed weights too.
-Steps of many tokens pay for that: from about 64 rows these kernels are 2-2.6x slower than dense fp32
-GEMM on the dequantized weight, which a batch-dependent switch between the two would have saved.
+Each module also keeps its dequantized weight (`dense`, the same values in the model's dtype) for
+prompt tokens (models/prompt_rows.py), unless this machine's BLAS fails the row-invariance check at
+load: prefill steps of many tokens are bound by arithmetic, where torch's fp32 GEMM is about twice as
+fast as these kernels. Generated tokens always run the packed kernel,
+which computes each row on its own (a row's output is bitwise the same alone or among 512 rows,
+tested), so a token's path and result depend on the token, not on the batch it shares.
 """
 
 from __future__ import annotations
@@ -24,24 +25,44 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from stepahead.models.prompt_rows import PromptRows, dense_rows
 from stepahead.models.quant_weights import GroupQuantWeight, to_int8_rows
 
 KERNEL_DTYPE = torch.bfloat16
 
 
 class _PackedBase(nn.Module):
-    """What both packed linears share: the forward around their kernel (_packed_mm) and the bias."""
+    """What both packed linears share: the forward around their kernel (_packed_mm), the bias and the
+    dense weight prompt rows use."""
 
     def __init__(self, out_features: int, in_features: int, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = out_features, in_features
+        self.register_buffer("dense", None)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     def _packed_mm(self, flat: torch.Tensor) -> torch.Tensor:
         """[rows, in] KERNEL_DTYPE activations times the packed weight: [rows, out]."""
         raise NotImplementedError
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def keep_dense(self, weight: torch.Tensor) -> None:
+        """Keep the dequantized weight [out, in] for prompt rows."""
+        if tuple(weight.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"dense weight has shape {tuple(weight.shape)}, expected "
+                             f"{(self.out_features, self.in_features)}")
+        self.dense = weight.contiguous()
+
+    def forward(self, x: torch.Tensor, prompt_rows: PromptRows | None = None) -> torch.Tensor:
+        """x [T, in]; prompt_rows: which of the T rows run on the dense weight (None: none of them)."""
+        if prompt_rows is None or self.dense is None:
+            return self._packed(x)
+        if prompt_rows.all:
+            return dense_rows(x, self.dense, self.bias)
+        y = x.new_empty(x.shape[0], self.out_features)
+        y.index_copy_(0, prompt_rows.index, dense_rows(x.index_select(0, prompt_rows.index), self.dense, self.bias))
+        return y.index_copy_(0, prompt_rows.others, self._packed(x.index_select(0, prompt_rows.others)))
+
+    def _packed(self, x: torch.Tensor) -> torch.Tensor:
         y = self._packed_mm(x.reshape(-1, self.in_features).to(KERNEL_DTYPE))
         y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias

@@ -14,6 +14,11 @@ is. In "gguf" mode the output head is packed too when the file holds it quantize
 RescoredHead (models/packed_head.py: the packed kernel ranks the vocabulary, the best candidates get
 exact fp32 logits); "int4"/"int8" keep the head dense, as vLLM's weight-only methods do. The
 embedding stays dense in the model's dtype (a lookup reads a few rows).
+
+Each packed projection also keeps its dense weight (the same values) for prompt tokens, which are
+prefilled many at a time where fp32 GEMM is about twice as fast as the packed kernels
+(models/prompt_rows.py), unless this machine's BLAS computes a row differently depending on the rest
+of the call (checked at load per weight shape).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from torch import nn
 
 from stepahead.config import QUANTIZATION_CHOICES
 from stepahead.models.packed_head import RescoredHead
+from stepahead.models.prompt_rows import rows_are_invariant
 from stepahead.models.quant_weights import (
     GGUF_QUANT_TYPES,
     GroupQuantWeight,
@@ -95,6 +101,7 @@ def quantize_model(model: nn.Module, mode: str, sources: dict[str, GroupQuantWei
                if name.rpartition(".")[2] in LINEAR_NAMES and getattr(m, "weight", None) is not None
                and m.weight.dim() == 2]
     swapped = 0
+    dense_invariant: dict[tuple, bool] = {}
     for name, module in targets:
         if mode == "gguf":
             weight = _source_weight(name, sources or {})
@@ -105,8 +112,21 @@ def quantize_model(model: nn.Module, mode: str, sources: dict[str, GroupQuantWei
         if weight.shape != tuple(module.weight.shape):
             raise ValueError(f"{name}: quantized weight has shape {weight.shape}, "
                              f"the model's is {tuple(module.weight.shape)}")
-        _set_module(model, name, quantized_linear(_packable(weight), getattr(module, "bias", None)))
+        bias = getattr(module, "bias", None)
+        packed = quantized_linear(_packable(weight), bias)
+        # For prompt rows. A GGUF model was loaded from the file's own dequantization: the same values.
+        dense = module.weight.detach() if mode == "gguf" else weight.dequantize().to(module.weight.dtype)
+        shape = (tuple(dense.shape), bias is not None)  # BLAS picks its code path by shape, not values
+        if shape not in dense_invariant:
+            dense_invariant[shape] = rows_are_invariant(dense, bias)
+        if dense_invariant[shape]:
+            packed.keep_dense(dense)
+        _set_module(model, name, packed)
         swapped += 1
+    variant = [shape for shape, ok in dense_invariant.items() if not ok]
+    if variant:
+        logger.info("dense GEMM rows depend on their batch for weight shapes %s on this machine: prompt "
+                    "tokens run the packed kernels there", [shape for shape, _ in variant])
     if mode == "gguf" and _pack_head(model, sources or {}):
         swapped += 1
     return swapped

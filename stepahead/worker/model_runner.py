@@ -28,6 +28,7 @@ from stepahead.core.sched_output import GrammarOutput, ModelRunnerOutput, Schedu
 from stepahead.distributed import comm
 from stepahead.distributed.state import SINGLE, ParallelState
 from stepahead.models.loader import TORCH_DTYPES, load_model
+from stepahead.models.prompt_rows import ALL_PROMPT_ROWS, PromptRows
 from stepahead.tracing import TraceEvent
 from stepahead.utils import cdiv
 from stepahead.worker import kv_memory
@@ -53,6 +54,7 @@ class StepInputs:
     sample_rows: list[int]  # batch index of each row that samples (partial prefills excluded)
     logits_indices: torch.Tensor  # [num_sample_rows]: the token of each sampling row
     max_query_len: int  # the most new tokens of any row (1: a decode-only step)
+    prompt_rows: PromptRows | None = None  # with packed weights: the rows that are prompt tokens
 
 
 @dataclass
@@ -68,6 +70,24 @@ class _TokenLayout:
     logits_indices: list[int]
     substitute_at: list[int]  # token index in the batch whose id is this worker's last sample...
     substitute_from: list[int]  # ...taken from this row of prev_sampled_token_ids
+    prompt_tokens: list[tuple[int, int]]  # [start, end) runs of prompt tokens in the batch
+
+
+@dataclass
+class _StagedPromptRows:
+    """Where _stage_prompt_rows put the prompt and generated row indices in the staging buffer
+    (offsets None: every row is a prompt token)."""
+
+    index_offset: int | None
+    others_offset: int | None
+    num_prompt: int
+    num_others: int
+
+    def finish(self, staging) -> PromptRows:
+        if self.index_offset is None:
+            return ALL_PROMPT_ROWS
+        return PromptRows(staging.view(self.index_offset, self.num_prompt),
+                          staging.view(self.others_offset, self.num_others))
 
 
 @dataclass
@@ -107,8 +127,9 @@ class ModelRunner:
         self.vocab_size = model_config.vocab_size
         self.eos_token_ids = [i for i in (model_config.eos_token_id, *model_config.extra_eos_token_ids) if i is not None]
         max_blocks_per_seq = cdiv(sched_config.max_model_len, cache_config.block_size)
-        # Worst step: 3 per token (ids, positions, slots), block tables of every row, 6 per row.
-        capacity = (3 * sched_config.max_num_batched_tokens + 6 * sched_config.max_num_seqs + 1
+        # Worst step: 4 per token (ids, positions, slots, prompt/generated row index), block tables of
+        # every row, 6 per row.
+        capacity = (4 * sched_config.max_num_batched_tokens + 6 * sched_config.max_num_seqs + 1
                     + 2 * sched_config.max_num_seqs * max_blocks_per_seq + STAGING_ALIGNMENT_SLACK)
         self.staging = StagingBuffer(capacity, self.device)
         if config.attention_backend == "triton":
@@ -215,7 +236,7 @@ class ModelRunner:
         ids, ids_offset = staging.alloc(num_tokens)
         positions, positions_offset = staging.alloc(num_tokens)
         slots, slots_offset = staging.alloc(num_tokens)
-        layout = _TokenLayout([], num_decode_rows, ids_offset, positions_offset, slots_offset, [], [], [], [])
+        layout = _TokenLayout([], num_decode_rows, ids_offset, positions_offset, slots_offset, [], [], [], [], [])
         offset = 0
         for b, req_id in enumerate(order):
             state = self.requests[req_id]
@@ -248,6 +269,8 @@ class ModelRunner:
                 row_blocks = np.asarray(table[start // block_size: need])
                 slots[offset:offset + num_new] = (row_blocks[row_positions // block_size - start // block_size]
                                                   * block_size + row_positions % block_size)
+            if start < state.num_prompt_tokens:
+                layout.prompt_tokens.append((offset, offset + min(end, state.num_prompt_tokens) - start))
             if end >= len(state.token_ids):
                 layout.sample_rows.append(b)
                 layout.logits_indices.append(offset + num_new - 1)
@@ -271,6 +294,7 @@ class ModelRunner:
         host_at[:] = layout.substitute_at
         host_from, from_offset = staging.alloc(len(layout.substitute_from))
         host_from[:] = layout.substitute_from
+        staged_prompt_rows = self._stage_prompt_rows(layout.prompt_tokens, scheduler_output.total_num_scheduled_tokens)
         staging.upload()
 
         num_tokens = scheduler_output.total_num_scheduled_tokens
@@ -282,7 +306,26 @@ class ModelRunner:
                                                       staging)
         return StepInputs(order, input_ids, staging.view(layout.positions_offset, num_tokens), attn_metadata,
                           layout.sample_rows, staging.view(logits_offset, len(host_logits_indices)),
-                          max((row.num_new_tokens for row in layout.rows), default=0))
+                          max((row.num_new_tokens for row in layout.rows), default=0),
+                          staged_prompt_rows.finish(staging) if staged_prompt_rows is not None else None)
+
+    def _stage_prompt_rows(self, prompt_tokens: list[tuple[int, int]], num_tokens: int) -> _StagedPromptRows | None:
+        """Which rows are prompt tokens, for packed weights (models/prompt_rows.py); None without them
+        or without prompt rows."""
+        if self.config.model_config.quantization == "none" or not prompt_tokens:
+            return None
+        is_prompt = np.zeros(num_tokens, dtype=bool)
+        for start, end in prompt_tokens:
+            is_prompt[start:end] = True
+        if is_prompt.all():
+            return _StagedPromptRows(None, None, 0, 0)
+        prompt = np.flatnonzero(is_prompt)
+        others = np.flatnonzero(~is_prompt)
+        index, index_offset = self.staging.alloc(len(prompt))
+        index[:] = prompt
+        rest, others_offset = self.staging.alloc(len(others))
+        rest[:] = others
+        return _StagedPromptRows(index_offset, others_offset, len(prompt), len(others))
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         """Hidden states of every scheduled token: a graph replay for a decode-only step that fits one."""
@@ -293,9 +336,11 @@ class ModelRunner:
             if size is not None:
                 return graphs.run(DecodeBatch(inputs.input_ids, inputs.positions, inputs.attn_metadata), size)
         if self._recv_hidden is None:
-            return self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn_metadata)
+            return self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn_metadata,
+                              prompt_rows=inputs.prompt_rows)
         hidden = self._recv_hidden[:num_tokens]  # received from the previous stage in execute_model
-        return self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn_metadata, hidden)
+        return self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn_metadata, hidden,
+                          inputs.prompt_rows)
 
     def _take_sampled_tokens(self, scheduler_output: SchedulerOutput) -> None:
         """A rank that does not sample applies the broadcast tokens this step's requests need."""

@@ -10,6 +10,7 @@ import torch
 from stepahead.bench.full_forward import sequence_logits
 from stepahead.models import quantized_loader
 from stepahead.models.loader import load_model, load_model_config
+from stepahead.models.prompt_rows import ALL_PROMPT_ROWS, PromptRows, dense_rows, rows_are_invariant
 from stepahead.models.quant_weights import decode_gguf_blocks, quantize_int4, quantize_int8_rows
 from stepahead.models.quantized_linear import Int4Linear, Int8Linear
 from tests.models.gguf_writer import write_gguf
@@ -178,3 +179,36 @@ def test_rescored_head_gives_the_dense_heads_best_logits_row_by_row():
     assert float((logits - ref).abs().max()) > 1e-3
     alone = torch.cat([head(hidden[i:i + 1]) for i in range(hidden.shape[0])])
     assert torch.equal(alone, head(hidden))  # a row's logits do not depend on its batch
+
+
+def test_prompt_rows_run_the_dense_weight_and_generated_rows_the_packed_kernel():
+    torch.manual_seed(0)
+    codes = quantize_int4(torch.randn(64, 128))
+    layer = Int4Linear(codes, bias=torch.randn(64))
+    layer.keep_dense(codes.dequantize())
+    x = torch.randn(10, 128)
+    dense = dense_rows(x, codes.dequantize(), layer.bias)
+    # The dense path rounds like the packed kernel: bf16 activations in, bf16 out, then the bias.
+    rounded = torch.nn.functional.linear(x.bfloat16().float(), codes.dequantize()).bfloat16().float() + layer.bias
+    assert _rel_err(dense, rounded) < 1e-2
+    packed = layer(x)  # no prompt rows: every row on the packed kernel
+    assert not torch.equal(packed, dense) and _rel_err(packed, dense) < LINEAR_RTOL
+    assert torch.equal(layer(x, ALL_PROMPT_ROWS), dense)
+    prompt = torch.tensor([2, 3, 4, 7])
+    others = torch.tensor([0, 1, 5, 6, 8, 9])
+    mixed = layer(x, PromptRows(prompt, others))
+    assert torch.equal(mixed[prompt], dense[prompt])  # padded dense calls are row-invariant (checked below)
+    assert torch.equal(mixed[others], packed[others])  # the packed kernel is row-invariant
+
+
+@pytest.mark.parametrize("shape", [(960, 576), (3072, 576), (576, 1536), (64, 128)])
+def test_dense_rows_compute_a_row_the_same_in_any_padded_call(shape):
+    """The load-time check passes on this machine's BLAS, and what it promises holds: a prompt row's
+    dense output does not depend on how many rows share its call or where it sits."""
+    torch.manual_seed(0)
+    weight, bias = torch.randn(*shape) * 0.05, torch.randn(shape[0])
+    assert rows_are_invariant(weight, bias)
+    x = torch.randn(300, shape[1])
+    everything = dense_rows(x, weight, bias)
+    for start, n in ((0, 1), (5, 3), (17, 11), (40, 64), (100, 200)):
+        assert torch.equal(dense_rows(x[start:start + n], weight, bias), everything[start:start + n])

@@ -131,9 +131,9 @@ def test_mixed_length_decode_groups_match(tiny_model_factory):
     seen = []
     orig = runner.model.forward
 
-    def spy(input_ids, positions, kv_cache, meta):
+    def spy(input_ids, positions, kv_cache, meta, **kw):
         seen.append(len(meta.decode_groups))
-        return orig(input_ids, positions, kv_cache, meta)
+        return orig(input_ids, positions, kv_cache, meta, **kw)
 
     runner.model.forward = spy
     out = sched.run()
