@@ -25,10 +25,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from stepahead.models.prompt_rows import PromptRows, dense_rows
+from stepahead.models.prompt_rows import ACTIVATION_ROUNDING, PromptRows, dense_rows
 from stepahead.models.quant_weights import GroupQuantWeight, to_int8_rows
 
-KERNEL_DTYPE = torch.bfloat16
+KERNEL_DTYPE = ACTIVATION_ROUNDING  # the dense path of prompt rows rounds activations the same way
 
 
 class _PackedBase(nn.Module):

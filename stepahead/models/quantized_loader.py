@@ -101,7 +101,7 @@ def quantize_model(model: nn.Module, mode: str, sources: dict[str, GroupQuantWei
                if name.rpartition(".")[2] in LINEAR_NAMES and getattr(m, "weight", None) is not None
                and m.weight.dim() == 2]
     swapped = 0
-    dense_invariant: dict[tuple, bool] = {}
+    dense_invariant: dict[tuple[int, int], bool] = {}  # BLAS picks its code path by shape, not values
     for name, module in targets:
         if mode == "gguf":
             weight = _source_weight(name, sources or {})
@@ -116,9 +116,9 @@ def quantize_model(model: nn.Module, mode: str, sources: dict[str, GroupQuantWei
         packed = quantized_linear(_packable(weight), bias)
         # For prompt rows. A GGUF model was loaded from the file's own dequantization: the same values.
         dense = module.weight.detach() if mode == "gguf" else weight.dequantize().to(module.weight.dtype)
-        shape = (tuple(dense.shape), bias is not None)  # BLAS picks its code path by shape, not values
+        shape = tuple(dense.shape)
         if shape not in dense_invariant:
-            dense_invariant[shape] = rows_are_invariant(dense, bias)
+            dense_invariant[shape] = rows_are_invariant(dense)
         if dense_invariant[shape]:
             packed.keep_dense(dense)
         _set_module(model, name, packed)
@@ -126,7 +126,7 @@ def quantize_model(model: nn.Module, mode: str, sources: dict[str, GroupQuantWei
     variant = [shape for shape, ok in dense_invariant.items() if not ok]
     if variant:
         logger.info("dense GEMM rows depend on their batch for weight shapes %s on this machine: prompt "
-                    "tokens run the packed kernels there", [shape for shape, _ in variant])
+                    "tokens run the packed kernels there", variant)
     if mode == "gguf" and _pack_head(model, sources or {}):
         swapped += 1
     return swapped
