@@ -24,10 +24,11 @@ LOWEST = 0
 LAYERS: dict[str, int] = {
     # Top-level modules: plain data and helpers that everything may use.
     **{name: LOWEST for name in ("config", "request", "sampling_params", "outputs", "validation", "utils",
-                                 "errors", "tracing")},
+                                 "errors", "tracing", "mkl_env")},
     "core": 1,
     "worker": 2,
     "models": 2,
+    "kernels": 2,
     "attention": 2,
     "structured_output": 2,
     "distributed": 2,

@@ -7,8 +7,9 @@ and SDPA on CPU).
 
 The flattened batch is ordered by the model runner as: single-token rows first (decodes, and one-token
 prefill chunks) sorted by context length, then multi-token rows. Single-token rows are attended in a few
-padded SDPA calls (groups of similar length); each multi-token row gets its own call (there are few per
-step), causal within its new tokens and full over its cached prefix.
+padded SDPA calls, one per padded width (padded_blocks: a width that depends on the row alone, so a
+token's attention is bitwise the same whatever else is in its batch); each multi-token row gets its own
+call (there are few per step), causal within its new tokens and full over its cached prefix.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class PrefillRow:
 class DecodeGroup:
     """Single-token rows [start, end) of the flattened batch, attended in one padded SDPA call.
 
-    The runner sorts these rows by context length and splits them so padding stays bounded."""
+    The runner sorts these rows by context length; a group holds the rows of one padded width."""
 
     start: int
     end: int
@@ -57,13 +58,30 @@ class AttentionMetadata:
         return paged_attention(q, k, v, kv, self, scale)
 
 
-def decode_groups(blocks_needed: list[int], min_rows: int = 8) -> list[tuple[int, int]]:
-    """Split rows sorted by block count into [start, end) groups so that padding a group to its longest
-    row at most doubles a row's blocks (groups keep at least min_rows rows: fewer SDPA calls)."""
+def padded_blocks(blocks: int) -> int:
+    """The table width a decode row needing `blocks` blocks is padded to: the next of 1, 2, 3, 4, 6, 8,
+    12, 16, 24, ... (at most 1.5x the row's blocks). It depends on the row alone, so a row's keys, and with
+    them SDPA's summation order and its output bits, are the same in any batch."""
+    width = 1
+    while width < blocks:
+        if width >= 2 and width * 3 // 2 >= blocks:
+            return width * 3 // 2
+        width *= 2
+    return width
+
+
+def decode_groups(blocks_needed: list[int], max_blocks: int) -> list[tuple[int, int, int]]:
+    """Split rows sorted by block count into [start, end) groups of one padded width: (start, end, width),
+    the width capped at max_blocks (a sequence's most blocks, a constant of the engine).
+
+    Padding a row to its group's longest row would make its attention output depend on the other rows
+    (a longer padded length changes how SDPA splits and sums the keys, in the last bits); padding every
+    row to padded_blocks(its own blocks) does not, at the price of a call per width present."""
+    widths = [min(padded_blocks(b), max_blocks) for b in blocks_needed]
     groups, start = [], 0
-    for i in range(1, len(blocks_needed) + 1):
-        if i == len(blocks_needed) or (blocks_needed[i] > 2 * blocks_needed[start] and i - start >= min_rows):
-            groups.append((start, i))
+    for i in range(1, len(widths) + 1):
+        if i == len(widths) or widths[i] != widths[start]:
+            groups.append((start, i, widths[start]))
             start = i
     return groups
 
@@ -102,7 +120,8 @@ class StagedMetadata:
         return AttentionMetadata(slot_mapping, groups, prefills)
 
 
-def stage_metadata(rows: list[BatchRow], num_decode_rows: int, staging, block_size: int) -> StagedMetadata:
+def stage_metadata(rows: list[BatchRow], num_decode_rows: int, staging, block_size: int,
+                   max_blocks: int) -> StagedMetadata:
     """Write block tables and context lengths into the step's staging buffer (host side).
 
     The batch's first num_decode_rows rows are single-token rows sorted by context length; they are
@@ -113,8 +132,7 @@ def stage_metadata(rows: list[BatchRow], num_decode_rows: int, staging, block_si
     for b in range(num_decode_rows):
         lens[b] = rows[b].num_computed_tokens + 1
     groups = []
-    for first, end in decode_groups(needs):
-        width = needs[end - 1]
+    for first, end, width in decode_groups(needs, max_blocks):
         groups.append((first, end, width, stage_block_table(rows[first:end], width, block_size, staging)))
     prefills: list[tuple[BatchRow, int | None]] = []
     for row in rows[num_decode_rows:]:
@@ -184,12 +202,13 @@ class SdpaBackend:
 
     name = "sdpa"
 
-    def __init__(self, block_size: int, arange: torch.Tensor) -> None:
+    def __init__(self, block_size: int, max_blocks: int, arange: torch.Tensor) -> None:
         self.block_size = block_size
+        self.max_blocks = max_blocks  # a sequence's most blocks
         self.arange = arange  # a device arange long enough for any row's keys
 
     def stage(self, rows: list[BatchRow], num_decode_rows: int, staging) -> StagedMetadata:
-        return stage_metadata(rows, num_decode_rows, staging, self.block_size)
+        return stage_metadata(rows, num_decode_rows, staging, self.block_size, self.max_blocks)
 
     def finish(self, staged: StagedMetadata, slot_mapping: torch.Tensor, staging) -> AttentionMetadata:
         return staged.finish(slot_mapping, staging, self.block_size, self.arange)

@@ -43,19 +43,30 @@ def reference():
     with LLM(**KW) as llm:
         prompts, params = _mixed_batch(llm)
         outputs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
-        plain_alone = _token_ids(llm, prompts[len(CONSTRAINTS):], params[len(CONSTRAINTS):])
-    return [o.token_ids for o in outputs], plain_alone, [o.text for o in outputs]
+    return [o.token_ids for o in outputs], [o.text for o in outputs]
 
 
 def test_reference_outputs_follow_their_grammars(reference):
-    _, _, texts = reference
+    _, texts = reference
     assert texts[2] in ("Paris", "London", "Rome")
     assert texts[4].startswith("The answer is ")
 
 
 def test_unconstrained_requests_are_unaffected_by_grammars_in_the_batch(reference):
-    mixed, plain_alone, _ = reference
-    assert mixed[len(CONSTRAINTS):] == plain_alone
+    """The plain requests' tokens are the same whether the batch's other requests follow grammars or run
+    free: a grammar masks its own row only, and a decode token's result does not depend on the rows it
+    shares a step with (they differ here once the constrained requests' outputs do).
+
+    Both runs start from an empty cache and prefill the plain prompts whole in the first step. Running
+    them alone after the batch instead would prefill them behind prefix-cache hits, which changes their
+    attention in the last bits; the built-in model's bf16-rounded activations absorb that almost
+    always, not always (measured: a first-token logprob 0.03 apart, with either int4 kernel)."""
+    mixed, _ = reference
+    with LLM(**KW) as llm:
+        prompts, _ = _mixed_batch(llm)
+        free = _token_ids(llm, prompts, [SamplingParams(temperature=0, max_tokens=MAX_TOKENS)] * len(prompts))
+    assert free[:len(CONSTRAINTS)] != mixed[:len(CONSTRAINTS)]  # the grammars did change their own rows
+    assert free[len(CONSTRAINTS):] == mixed[len(CONSTRAINTS):]
 
 
 @pytest.mark.parametrize("mode", [

@@ -110,12 +110,15 @@ def test_partial_prefill_returns_empty_and_unscheduled_keep_state(references):
     assert res["r0"] == ref[0] and res["r3"] == ref[3]
 
 
-def test_decode_groups_bound_padding():
-    from stepahead.attention.sdpa import decode_groups
+def test_decode_rows_are_padded_by_their_own_length():
+    from stepahead.attention.sdpa import decode_groups, padded_blocks
 
-    assert decode_groups([1] * 8 + [10] * 4) == [(0, 8), (8, 12)]
-    assert decode_groups([1, 1, 10]) == [(0, 3)]  # too few rows to split
-    assert decode_groups([2] * 9 + [4] * 3) == [(0, 12)]  # within 2x: one call
+    assert [padded_blocks(n) for n in range(1, 14)] == [1, 2, 3, 4, 6, 6, 8, 8, 12, 12, 12, 12, 16]
+    assert all(n <= padded_blocks(n) <= 1.5 * n for n in range(1, 500))
+    assert decode_groups([1] * 8 + [10] * 4, 64) == [(0, 8, 1), (8, 12, 12)]
+    assert decode_groups([1, 1, 10], 64) == [(0, 2, 1), (2, 3, 12)]  # a row's width never depends on the others
+    assert decode_groups([5, 6, 7, 8], 64) == [(0, 2, 6), (2, 4, 8)]
+    assert decode_groups([9, 10], 10) == [(0, 2, 10)]  # capped at a sequence's most blocks
 
 
 def test_mixed_length_decode_groups_match(tiny_model_factory):
@@ -138,4 +141,4 @@ def test_mixed_length_decode_groups_match(tiny_model_factory):
     runner.model.forward = spy
     out = sched.run()
     assert [out[f"r{i}"] for i in range(len(prompts))] == ref
-    assert max(seen) == 2
+    assert max(seen) == 3  # padded widths 1 (the short prompts), 12 and 16 blocks
