@@ -3,8 +3,8 @@
 Every `import` and `from ... import` statement counts, at module level or inside a function, since a
 function-level import is still a dependency. Layers, lowest first:
 
-    top-level modules (config, request, sampling_params, ...) < core < worker, models, attention, distributed,
-    structured_output < executor < engine < entrypoints < bench, tools
+    top-level modules (config, request, sampling_params, ...) < core < worker, models, kernels, attention,
+    distributed, structured_output < executor < engine < entrypoints < bench, tools
 
 A module may import its own layer and the layers below it. bench/ and tools/ sit on top and may import
 anything; only entrypoints/cli.py (which registers their subcommands) imports them from below.

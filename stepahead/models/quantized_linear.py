@@ -1,16 +1,19 @@
-"""Linear layers whose weights stay packed, run with torch's weight-only CPU kernels.
+"""Linear layers whose weights stay packed, run with weight-only CPU kernels.
 
 - Int4Linear: 4-bit codes with a scale and an offset per group of inputs (GGUF Q4_0/Q4_1, or
-  --quantization int4), packed by `torch._convert_weight_to_int4pack_for_cpu` and multiplied by
-  `torch._weight_int4pack_mm_for_cpu`. That kernel computes  (q - 8) * scale + zero  per group, so
-  a code's offset `min` becomes zero = min + 8 * scale.
+  --quantization int4). With groups of 32 on an AVX2 CPU it keeps GGUF's block layout and runs
+  stepahead's own kernel (kernels/int4_gemm.cpp: activations quantized to 16-bit integers per group
+  of 32, exact integer dot products; 1.6x torch's kernel at 32 rows). Otherwise the codes are packed
+  by `torch._convert_weight_to_int4pack_for_cpu` and multiplied by `torch._weight_int4pack_mm_for_cpu`,
+  which computes  (q - 8) * scale + zero  per group (a code's offset `min` becomes
+  zero = min + 8 * scale) on bfloat16 activations.
 - Int8Linear: int8 codes with one scale per row (GGUF Q8_0 requantized per row, or --quantization
-  int8), multiplied by `torch._weight_int8pack_mm`.
+  int8), multiplied by `torch._weight_int8pack_mm` on bfloat16 activations.
 
-Both take activations in bfloat16 internally: the fp32 variants of these kernels are 5-30x slower
-than their bf16 ones (docs/BENCHMARKS.md section 14), and the bf16 rounding of activations is far below
-the weights' own quantization error. Inputs and outputs keep the model's dtype. A step of few tokens
-reads 0.56 (int4) or 1 (int8) byte per weight instead of 4: such steps are bound by reading the weights.
+torch's kernels take bfloat16 activations: their fp32 variants are 5-30x slower (docs/BENCHMARKS.md
+section 14), and the rounding is far below the weights' own quantization error. Every kernel rounds
+its outputs to bfloat16 values. Inputs and outputs keep the model's dtype. A step of few tokens reads
+0.56 (int4) or 1 (int8) byte per weight instead of 4: such steps are bound by reading the weights.
 
 Each module also keeps its dequantized weight (`dense`, the same values in the model's dtype) for
 prompt tokens (models/prompt_rows.py), unless this machine's BLAS fails the row-invariance check at
@@ -25,6 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from stepahead.kernels import cpu_int4
 from stepahead.models.prompt_rows import ACTIVATION_ROUNDING, PromptRows, dense_rows
 from stepahead.models.quant_weights import GroupQuantWeight, to_int8_rows
 
@@ -42,7 +46,8 @@ class _PackedBase(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     def _packed_mm(self, flat: torch.Tensor) -> torch.Tensor:
-        """[rows, in] KERNEL_DTYPE activations times the packed weight: [rows, out]."""
+        """[rows, in] activations (the model's dtype) times the packed weight: [rows, out], in the
+        kernel's output dtype."""
         raise NotImplementedError
 
     def keep_dense(self, weight: torch.Tensor) -> None:
@@ -63,7 +68,7 @@ class _PackedBase(nn.Module):
         return y.index_copy_(0, prompt_rows.others, self._packed(x.index_select(0, prompt_rows.others)))
 
     def _packed(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._packed_mm(x.reshape(-1, self.in_features).to(KERNEL_DTYPE))
+        y = self._packed_mm(x.reshape(-1, self.in_features))
         y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
@@ -74,6 +79,12 @@ class Int4Linear(_PackedBase):
             raise ValueError("Int4Linear needs 4-bit codes with per-group offsets")
         super().__init__(*weight.shape, bias)
         self.group_size = weight.group_size
+        self.kernel = "stepahead" if self.group_size == cpu_int4.GROUP and cpu_int4.available() else "torch"
+        if self.kernel == "stepahead":
+            self.register_buffer("codes", cpu_int4.pack_codes(weight.q))
+            self.register_buffer("scales", weight.scales.float().contiguous())
+            self.register_buffer("mins", weight.mins.float().contiguous())
+            return
         packed = torch._convert_weight_to_int4pack_for_cpu(weight.q.to(torch.int32).contiguous(), 1)
         zeros = weight.mins + 8 * weight.scales
         # [in // group, out, 2]: scale and zero of each group, the kernel's layout.
@@ -82,15 +93,23 @@ class Int4Linear(_PackedBase):
         self.register_buffer("scales_zeros", scales_zeros)
 
     def _packed_mm(self, flat: torch.Tensor) -> torch.Tensor:
-        return torch._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, self.scales_zeros)
+        if self.kernel == "stepahead":
+            return cpu_int4.int4_gemm(flat.float(), self.codes, self.scales, self.mins)
+        return torch._weight_int4pack_mm_for_cpu(flat.to(KERNEL_DTYPE), self.packed, self.group_size,
+                                                 self.scales_zeros)
 
     def dequantized_weight(self) -> torch.Tensor:
-        """The [out, in] float32 weight the kernel multiplies with (identity input through the kernel)."""
+        """The [out, in] float32 weight the kernel multiplies with."""
+        if self.kernel == "stepahead":
+            q = cpu_int4.unpack_codes(self.codes).float().view(self.out_features, -1, self.group_size)
+            return (q * self.scales.unsqueeze(-1) + self.mins.unsqueeze(-1)).view(self.out_features, -1)
+        # torch's kernel through an identity input: its weight with bf16 scales and zeros.
         eye = torch.eye(self.in_features, dtype=KERNEL_DTYPE)
         return torch._weight_int4pack_mm_for_cpu(eye, self.packed, self.group_size, self.scales_zeros).float().t()
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"group_size={self.group_size}, kernel={self.kernel}")
 
 
 class Int8Linear(_PackedBase):
@@ -101,7 +120,7 @@ class Int8Linear(_PackedBase):
         self.register_buffer("scales", rows.scales.reshape(-1).to(KERNEL_DTYPE).contiguous())
 
     def _packed_mm(self, flat: torch.Tensor) -> torch.Tensor:
-        return torch._weight_int8pack_mm(flat, self.qweight, self.scales)
+        return torch._weight_int8pack_mm(flat.to(KERNEL_DTYPE), self.qweight, self.scales)
 
     def dequantized_weight(self) -> torch.Tensor:
         return self.qweight.float() * self.scales.float().unsqueeze(1)

@@ -1,0 +1,201 @@
+// y = x @ W^T for W held as 4-bit codes in GGUF's block layout, on x86 CPUs with AVX2, with integer
+// dot products (as llama.cpp multiplies its Q4 codes, but with 16-bit activations, not 8-bit).
+//
+// W is [N, K] in groups of 32 consecutive inputs: codes [N, K / 2] bytes (byte j of a group holds
+// element j in its low nibble and element j + 16 in its high nibble), scales and mins [N, K / 32]
+// float32, so w = q * scale + min. Each row of x is quantized per group of 32 to int16 codes qx with
+// one scale dx = max|x| / 32767, so a group's product is
+//     sum(w * x) = scale * dx * sum(q * qx) + min * dx * sum(qx)
+// where sum(q * qx) is exact in int32 (vpmaddwd; at most 15 * 32767 * 32 < 2^24, so exact in float
+// too). Activations are rounded to bfloat16 values before they are quantized (see quantize_rows), and
+// 15-bit codes keep that precision (8-bit ones, as llama.cpp's, tripled the built-in model's logit
+// error against fp32). Outputs are rounded to bfloat16 values, as torch's weight-only kernels round
+// theirs.
+//
+// A row's result does not depend on its batch: its quantization uses its own values only, the integer
+// sums are exact, and the float accumulation over groups always runs in the same order, whatever the
+// number of rows and wherever the row sits. Rows are taken four at a time so the unpacked codes of a
+// group are reused from registers, and a thread works through a block of columns whose codes and four
+// rows of activations stay in L1.
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kGroup = 32;
+
+inline float round_to_bf16(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  if ((bits & 0x7f800000u) == 0x7f800000u) return v;  // inf and nan stay as they are
+  bits += 0x7fffu + ((bits >> 16) & 1u);                // round to nearest, ties to even
+  bits &= 0xffff0000u;
+  std::memcpy(&v, &bits, sizeof(bits));
+  return v;
+}
+
+inline float sum_lanes(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+constexpr float kCodeMax = 32767.f;
+
+// The activations of M rows, quantized per group of 32: codes, scales dx, and dx * sum(codes). Each
+// value is rounded to bfloat16 first, as torch's kernels round theirs: a last-bit difference in an
+// activation (attention computed over another chunking of the same prompt, say) then almost never
+// reaches the codes, which 16-bit codes of the float32 value would pass on about once in 500 values.
+struct QuantizedRows {
+  std::vector<int16_t> codes;  // [M, K]
+  std::vector<float> scales;  // [M, K / 32]
+  std::vector<float> sums;    // [M, K / 32]
+};
+
+QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
+  const int64_t groups = K / kGroup;
+  QuantizedRows q{std::vector<int16_t>(M * K), std::vector<float>(M * groups), std::vector<float>(M * groups)};
+  for (int64_t i = 0; i < M * groups; ++i) {
+    float xg[kGroup];
+    for (int64_t j = 0; j < kGroup; ++j) xg[j] = round_to_bf16(x[i * kGroup + j]);
+    float amax = 0.f;
+    for (int64_t j = 0; j < kGroup; ++j) amax = std::max(amax, std::fabs(xg[j]));
+    const float d = amax / kCodeMax, inv = amax > 0.f ? kCodeMax / amax : 0.f;
+    int32_t total = 0;
+    for (int64_t j = 0; j < kGroup; ++j) {
+      const int32_t v = static_cast<int32_t>(std::nearbyint(xg[j] * inv));
+      q.codes[i * kGroup + j] = static_cast<int16_t>(v);
+      total += v;
+    }
+    q.scales[i] = d;
+    q.sums[i] = d * static_cast<float>(total);
+  }
+  return q;
+}
+
+// The 32 codes of one weight group as two vectors of 16 int16: elements 0..15 and 16..31.
+inline void unpack_group(const uint8_t* codes, __m256i& lo, __m256i& hi) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
+  const __m128i mask = _mm_set1_epi8(0x0f);
+  lo = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, mask));
+  hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
+}
+
+// sum(q * qx) over a group as 8 int32 lanes converted to float (exact: |sum| < 2^24).
+inline __m256 group_dot(__m256i w_lo, __m256i w_hi, const int16_t* qx) {
+  const __m256i x_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx));
+  const __m256i x_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + 16));
+  return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(w_lo, x_lo), _mm256_madd_epi16(w_hi, x_hi)));
+}
+
+// sum(a * b) over n floats, eight lanes at a time and then the tail, always in that order.
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float total = sum_lanes(acc);
+  for (; i < n; ++i) total = std::fma(a[i], b[i], total);
+  return total;
+}
+
+struct Weight {
+  const uint8_t* codes;
+  const float* scales;
+  const float* mins;
+  int64_t K;
+};
+
+// y[row .. row + R) x [n .. n + C).
+template <int R, int C>
+void tile(const QuantizedRows& xq, int64_t row, const Weight& w, float* y, int64_t N, int64_t n) {
+  const int64_t K = w.K, groups = K / kGroup;
+  __m256 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i w_lo[C], w_hi[C];
+    __m256 wscale[C];
+    for (int c = 0; c < C; ++c) {
+      unpack_group(w.codes + (n + c) * (K / 2) + g * (kGroup / 2), w_lo[c], w_hi[c]);
+      wscale[c] = _mm256_set1_ps(w.scales[(n + c) * groups + g]);
+    }
+    for (int r = 0; r < R; ++r) {
+      const int16_t* qx = &xq.codes[(row + r) * K + g * kGroup];
+      const __m256 dx = _mm256_set1_ps(xq.scales[(row + r) * groups + g]);
+      for (int c = 0; c < C; ++c)
+        acc[r][c] = _mm256_fmadd_ps(group_dot(w_lo[c], w_hi[c], qx), _mm256_mul_ps(wscale[c], dx), acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const float* sums = &xq.sums[(row + r) * groups];
+    for (int c = 0; c < C; ++c) {
+      const float* mins = w.mins + (n + c) * groups;
+      y[(row + r) * N + n + c] = round_to_bf16(sum_lanes(acc[r][c]) + dot(mins, sums, groups));
+    }
+  }
+}
+
+using TileFn = void (*)(const QuantizedRows&, int64_t, const Weight&, float*, int64_t, int64_t);
+constexpr TileFn kFewRows[4] = {nullptr, tile<1, 2>, tile<2, 2>, tile<3, 2>};
+constexpr TileFn kFewRowsOneColumn[4] = {nullptr, tile<1, 1>, tile<2, 1>, tile<3, 1>};
+// Columns a thread takes at a time: their codes (16 x K / 2 bytes) and four rows of quantized
+// activations (4 x 2K bytes) stay in L1 while the block's tiles sweep them.
+constexpr int64_t kColumnBlock = 16;
+
+// y[:, n .. n + columns) for one block of columns: four rows by two columns where there are four
+// rows, then the last rows.
+void column_block(const QuantizedRows& xq, int64_t M, const Weight& w, float* y, int64_t N, int64_t n,
+                  int64_t columns) {
+  int64_t row = 0;
+  for (; row + 4 <= M; row += 4) {
+    int64_t c = 0;
+    for (; c + 2 <= columns; c += 2) tile<4, 2>(xq, row, w, y, N, n + c);
+    if (c < columns) tile<4, 1>(xq, row, w, y, N, n + c);
+  }
+  if (row == M) return;
+  int64_t c = 0;
+  for (; c + 2 <= columns; c += 2) kFewRows[M - row](xq, row, w, y, N, n + c);
+  if (c < columns) kFewRowsOneColumn[M - row](xq, row, w, y, N, n + c);
+}
+
+at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be a 2-D float32 tensor");
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
+              "codes must be a contiguous [N, K / 2] uint8 tensor");
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  TORCH_CHECK(K % kGroup == 0 && codes.size(1) * 2 == K, "codes must be [N, K / 2] with K a multiple of 32");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && mins.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  mins.is_contiguous() && scales.numel() == N * (K / kGroup) && mins.numel() == N * (K / kGroup),
+              "scales and mins must be contiguous float32 [N, K / 32]");
+  // Activations quantized once, before the columns are split between threads.
+  const at::Tensor xc = x.contiguous();
+  const QuantizedRows xq = quantize_rows(xc.data_ptr<float>(), M, K);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const Weight w{codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), mins.data_ptr<float>(), K};
+  float* yp = y.data_ptr<float>();
+  const int64_t blocks = (N + kColumnBlock - 1) / kColumnBlock;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n = b * kColumnBlock;
+      column_block(xq, M, w, yp, N, n, std::min(kColumnBlock, N - n));
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(stepahead_cpu, m) {
+  m.def("int4_gemm(Tensor x, Tensor codes, Tensor scales, Tensor mins) -> Tensor");
+  m.impl("int4_gemm", c10::DispatchKey::CPU, TORCH_FN(int4_gemm));
+}

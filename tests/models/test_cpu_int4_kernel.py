@@ -1,0 +1,100 @@
+"""stepahead's AVX2 4-bit kernel (kernels/int4_gemm.cpp), built on this machine: its arithmetic against
+the same arithmetic in float64, a row's result in any batch, and the packed linear's choice of kernel."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from stepahead.kernels import cpu_int4
+from stepahead.models.quant_weights import quantize_int4
+from stepahead.models.quantized_linear import Int4Linear
+
+# Where the machine can build the kernel it must build: a failed build fails these tests, not skips them.
+pytestmark = pytest.mark.skipif(not cpu_int4.machine_can_build(), reason="needs an AVX2 CPU and a C++ compiler")
+
+
+def _weight(out_features, in_features, seed=0):
+    torch.manual_seed(seed)
+    return quantize_int4(torch.randn(out_features, in_features))
+
+
+def _reference(x, weight):
+    """The kernel's arithmetic in float64: x rounded to bfloat16 and quantized per group of 32 to 16-bit
+    codes, exact integer dot products with the weight codes, scaled, then the sum rounded to bfloat16."""
+    x = x.bfloat16().double().numpy()
+    rows, in_features = x.shape
+    groups = x.reshape(rows, -1, 32)
+    amax = np.abs(groups).max(-1, keepdims=True).astype(np.float32)
+    dx = (amax / np.float32(32767)).astype(np.float64)
+    inv = np.where(amax > 0, np.float32(32767) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    qx = np.rint(groups.astype(np.float32) * inv).astype(np.int64)
+    q = weight.q.numpy().astype(np.int64).reshape(weight.q.shape[0], -1, 32)
+    dots = np.einsum("rgk,ngk->rng", qx, q)  # exact integers
+    scales, mins = weight.scales.double().numpy(), weight.mins.double().numpy()
+    y = (dots * scales[None] * dx.transpose(0, 2, 1)).sum(-1)
+    y += (mins[None] * (dx[..., 0] * qx.sum(-1))[:, None, :]).sum(-1)
+    return torch.from_numpy(y).float().bfloat16().float()
+
+
+def _args(weight):
+    return cpu_int4.pack_codes(weight.q), weight.scales.contiguous(), weight.mins.contiguous()
+
+
+@pytest.mark.parametrize("rows,out_features,in_features", [(1, 16, 32), (3, 37, 64), (5, 64, 96), (13, 50, 576),
+                                                           (32, 96, 1536)])
+def test_kernel_computes_the_quantized_product(rows, out_features, in_features):
+    weight = _weight(out_features, in_features)
+    x = torch.randn(rows, in_features) * 3
+    if in_features > 32:
+        x[0, :32] = 0  # an all-zero group: scale 0, no division by zero
+    y = cpu_int4.int4_gemm(x, *_args(weight))
+    ref = _reference(x, weight)
+    # Up to one bfloat16 step where float32 summation lands on the other side of a rounding boundary.
+    step = ref.abs().clamp(min=1e-30) * 2.0 ** -7
+    assert bool(((y - ref).abs() <= step).all())
+    # and close to the exact product with the dequantized weight
+    exact = x.double() @ weight.dequantize().double().t()
+    assert float((y - exact).abs().max() / exact.abs().max()) < 1e-2
+
+
+def test_codes_pack_in_ggufs_block_layout():
+    q = torch.randint(0, 16, (3, 64), dtype=torch.uint8)
+    packed = cpu_int4.pack_codes(q)
+    assert packed.shape == (3, 32)
+    assert int(packed[1, 16 + 5]) == int(q[1, 32 + 5]) | (int(q[1, 32 + 21]) << 4)  # byte j: j low, j + 16 high
+    assert torch.equal(cpu_int4.unpack_codes(packed), q)
+
+
+def test_a_row_is_computed_the_same_at_any_position_in_any_batch():
+    weight = _weight(70, 192)
+    args = _args(weight)
+    x = torch.randn(64, 192)
+    alone = [cpu_int4.int4_gemm(x[i:i + 1], *args) for i in range(64)]
+    for rows in range(1, 65):
+        batch = cpu_int4.int4_gemm(x[:rows], *args)
+        assert all(torch.equal(batch[i], alone[i][0]) for i in range(rows)), rows
+
+
+def test_packed_linear_uses_the_kernel_and_its_weight_is_the_codes_weight():
+    weight = _weight(48, 128)
+    layer = Int4Linear(weight, bias=torch.randn(48))
+    assert layer.kernel == "stepahead" and "kernel=stepahead" in repr(layer)
+    assert torch.equal(layer.dequantized_weight(), weight.dequantize())
+    x = torch.randn(4, 128)
+    assert torch.equal(layer(x), cpu_int4.int4_gemm(x, *_args(weight)) + layer.bias)
+    odd_groups = quantize_int4(torch.randn(48, 128), group_size=64)
+    assert Int4Linear(odd_groups).kernel == "torch"  # the kernel reads GGUF's blocks of 32 only
+
+
+def test_the_kernel_can_be_switched_off(monkeypatch):
+    monkeypatch.setenv(cpu_int4.DISABLE_ENV, "1")
+    cpu_int4.available.cache_clear()
+    try:
+        assert not cpu_int4.available()
+        assert Int4Linear(_weight(32, 64)).kernel == "torch"
+    finally:
+        monkeypatch.delenv(cpu_int4.DISABLE_ENV)
+        cpu_int4.available.cache_clear()
+    assert cpu_int4.available()
