@@ -3,9 +3,9 @@
 torch's own weight-only int4 kernel multiplies bf16 activations with weights dequantized in floating
 point; this one keeps GGUF's block layout, quantizes the activations to 16-bit integers per group of
 32 and multiplies with exact integer dot products (llama.cpp's Q4 x Q8 scheme with twice the activation
-bits). Over the built-in model's 120 projections it took 115-122 ms against 193 ms at 32 rows and
-14-16 against 18 ms at one row, and its logits are closer to the fp32 model's (fp32 scales instead of
-bf16 ones). A row's result does not depend on its batch (see the source). It needs an x86 CPU with
+bits). Over the built-in model's 120 projections at 32 rows it took 115-130 ms against 161-194 ms
+(three runs); at one row it is within the noise of torch's (14-21 against 18-19 ms). Its logits are
+closer to the fp32 model's (fp32 scales instead of bf16 ones). A row's result does not depend on its batch (see the source). It needs an x86 CPU with
 AVX2 and FMA and a C++ compiler; where either is missing, or the build fails, `available()` is False
 (logged once) and the packed linears use torch's kernel."""
 

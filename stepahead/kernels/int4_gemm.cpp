@@ -69,7 +69,16 @@ QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
     float xg[kGroup];
     for (int64_t j = 0; j < kGroup; ++j) xg[j] = round_to_bf16(x[i * kGroup + j]);
     float amax = 0.f;
-    for (int64_t j = 0; j < kGroup; ++j) amax = std::max(amax, std::fabs(xg[j]));
+    bool finite = true;
+    for (int64_t j = 0; j < kGroup; ++j) {
+      amax = std::max(amax, std::fabs(xg[j]));
+      finite = finite && std::isfinite(xg[j]);
+    }
+    if (!finite) {  // codes 0 and a NaN scale: the row's outputs come out NaN, never finite garbage
+      std::fill_n(&q.codes[i * kGroup], kGroup, int16_t{0});
+      q.scales[i] = q.sums[i] = std::nanf("");
+      continue;
+    }
     const float d = amax / kCodeMax, inv = amax > 0.f ? kCodeMax / amax : 0.f;
     int32_t total = 0;
     for (int64_t j = 0; j < kGroup; ++j) {

@@ -3,7 +3,7 @@
 - Int4Linear: 4-bit codes with a scale and an offset per group of inputs (GGUF Q4_0/Q4_1, or
   --quantization int4). With groups of 32 on an AVX2 CPU it keeps GGUF's block layout and runs
   stepahead's own kernel (kernels/int4_gemm.cpp: activations quantized to 16-bit integers per group
-  of 32, exact integer dot products; 1.6x torch's kernel at 32 rows). Otherwise the codes are packed
+  of 32, exact integer dot products; 1.2-1.6x torch's kernel at 32 rows). Otherwise the codes are packed
   by `torch._convert_weight_to_int4pack_for_cpu` and multiplied by `torch._weight_int4pack_mm_for_cpu`,
   which computes  (q - 8) * scale + zero  per group (a code's offset `min` becomes
   zero = min + 8 * scale) on bfloat16 activations.

@@ -59,6 +59,15 @@ def test_kernel_computes_the_quantized_product(rows, out_features, in_features):
     assert float((y - exact).abs().max() / exact.abs().max()) < 1e-2
 
 
+def test_a_non_finite_activation_makes_its_row_nan_and_no_other():
+    weight = _weight(24, 64)
+    x = torch.randn(3, 64)
+    x[1, 40] = float("nan")
+    x[2, 3] = float("inf")
+    y = cpu_int4.int4_gemm(x, *_args(weight))
+    assert bool(y[1:].isnan().all()) and bool(y[0].isfinite().all())
+
+
 def test_codes_pack_in_ggufs_block_layout():
     q = torch.randint(0, 16, (3, 64), dtype=torch.uint8)
     packed = cpu_int4.pack_codes(q)
