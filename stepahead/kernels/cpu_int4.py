@@ -66,9 +66,15 @@ def _put_ninja_on_path() -> None:
 def int4_gemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
     """x [M, K] float32 times the [N, K] weight  codes * scales + mins  (GGUF block layout): [M, N] float32,
     with x and the result rounded to bf16 values."""
+    return _op()(x, codes, scales, mins)
+
+
+@functools.cache
+def _op():
+    """The loaded operator, looked up once (a projection calls it every step)."""
     if not available():
         raise RuntimeError("stepahead's CPU int4 kernel is not built on this machine (see the log)")
-    return torch.ops.stepahead_cpu.int4_gemm(x, codes, scales, mins)
+    return torch.ops.stepahead_cpu.int4_gemm.default
 
 
 def pack_codes(q: torch.Tensor) -> torch.Tensor:

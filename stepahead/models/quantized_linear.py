@@ -101,8 +101,8 @@ class Int4Linear(_PackedBase):
     def dequantized_weight(self) -> torch.Tensor:
         """The [out, in] float32 weight the kernel multiplies with."""
         if self.kernel == "stepahead":
-            q = cpu_int4.unpack_codes(self.codes).float().view(self.out_features, -1, self.group_size)
-            return (q * self.scales.unsqueeze(-1) + self.mins.unsqueeze(-1)).view(self.out_features, -1)
+            codes = cpu_int4.unpack_codes(self.codes)
+            return GroupQuantWeight(codes, self.scales, self.mins, self.group_size, 4).dequantize()
         # torch's kernel through an identity input: its weight with bf16 scales and zeros.
         eye = torch.eye(self.in_features, dtype=KERNEL_DTYPE)
         return torch._weight_int4pack_mm_for_cpu(eye, self.packed, self.group_size, self.scales_zeros).float().t()
