@@ -8,8 +8,10 @@ and SDPA on CPU).
 The flattened batch is ordered by the model runner as: single-token rows first (decodes, and one-token
 prefill chunks) sorted by context length, then multi-token rows. Single-token rows are attended in a few
 padded SDPA calls, one per padded width (padded_blocks: a width that depends on the row alone, so a
-token's attention is bitwise the same whatever else is in its batch); each multi-token row gets its own
-call (there are few per step), causal within its new tokens and full over its cached prefix.
+token's attention is bitwise the same whatever else is in its batch), or, with `decode_kernel`, in one
+call of stepahead's CPU kernel (kernels/paged_decode.cpp), which reads each row's keys through its block
+table where they lie: no gather, no padding, no mask. Each multi-token row gets its own SDPA call (there
+are few per step), causal within its new tokens and full over its cached prefix.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch.nn.functional as F
 
 from stepahead.attention.paged_cache import LayerKV
 from stepahead.attention.rows import BatchRow, stage_block_table
+from stepahead.kernels import cpu_ops
 
 
 @dataclass
@@ -36,14 +39,16 @@ class PrefillRow:
 
 @dataclass
 class DecodeGroup:
-    """Single-token rows [start, end) of the flattened batch, attended in one padded SDPA call.
+    """Single-token rows [start, end) of the flattened batch, attended in one call.
 
-    The runner sorts these rows by context length; a group holds the rows of one padded width."""
+    The runner sorts these rows by context length; for SDPA a group holds the rows of one padded width,
+    for the decode kernel there is one group of every such row."""
 
     start: int
     end: int
-    block_table: torch.Tensor  # [rows, max_blocks] long (padding points at null block 0)
-    mask: torch.Tensor  # [1, rows, 1, max_blocks * block_size] bool: key is valid
+    block_table: torch.Tensor  # [rows, width] long (padding points at null block 0)
+    seq_lens: torch.Tensor  # [rows] long: keys per row, its new token included
+    mask: torch.Tensor | None  # SDPA's [1, rows, 1, width * block_size] bool: key is valid (None: the kernel)
 
 
 @dataclass
@@ -53,6 +58,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] long: flat slot (block * block_size + offset) of each new token
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillRow] = field(default_factory=list)
+    decode_kernel: bool = False  # single-token rows run stepahead's CPU kernel instead of SDPA
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, scale: float) -> torch.Tensor:
         return paged_attention(q, k, v, kv, self, scale)
@@ -94,6 +100,7 @@ class StagedMetadata:
     decode_groups: list[tuple[int, int, int, int]]  # (first row, end row, table width, table offset)
     prefills: list[tuple[BatchRow, int | None]]  # (row, table offset or None without a cached prefix)
     lens_offset: int
+    decode_kernel: bool
 
     def finish(self, slot_mapping: torch.Tensor, staging, block_size: int,
                arange: torch.Tensor) -> AttentionMetadata:
@@ -101,11 +108,14 @@ class StagedMetadata:
         groups = []
         for first, end, width, table_offset in self.decode_groups:
             rows = end - first
-            keys = arange[: width * block_size]
             lens = staging.view(self.lens_offset + first, rows)
-            mask = (keys.unsqueeze(0) < lens.unsqueeze(1)).view(1, rows, 1, width * block_size)
+            mask = None
+            if not self.decode_kernel:
+                keys = arange[: width * block_size]
+                mask = (keys.unsqueeze(0) < lens.unsqueeze(1)).view(1, rows, 1, width * block_size)
             # Decode rows come first and hold one token each: row index == token index.
-            groups.append(DecodeGroup(first, end, staging.view(table_offset, rows * width, (rows, width)), mask))
+            table = staging.view(table_offset, rows * width, (rows, width))
+            groups.append(DecodeGroup(first, end, table, lens, mask))
         prefills = []
         for row, table_offset in self.prefills:
             end = row.start + row.num_new_tokens
@@ -117,22 +127,24 @@ class StagedMetadata:
             mask = (keys.unsqueeze(0) <= (arange[:new] + cached).unsqueeze(1)).view(1, 1, new, cached + new)
             table = staging.view(table_offset, row.blocks_needed(block_size))
             prefills.append(PrefillRow(row.start, end, cached, table, mask))
-        return AttentionMetadata(slot_mapping, groups, prefills)
+        return AttentionMetadata(slot_mapping, groups, prefills, self.decode_kernel)
 
 
 def stage_metadata(rows: list[BatchRow], num_decode_rows: int, staging, block_size: int,
-                   max_blocks: int) -> StagedMetadata:
+                   max_blocks: int, decode_kernel: bool = False) -> StagedMetadata:
     """Write block tables and context lengths into the step's staging buffer (host side).
 
     The batch's first num_decode_rows rows are single-token rows sorted by context length; they are
-    attended in a few padded groups, each multi-token row on its own.
+    attended in a few padded groups (one group with decode_kernel), each multi-token row on its own.
     """
     needs = [rows[b].blocks_needed(block_size) for b in range(num_decode_rows)]
     lens, lens_offset = staging.alloc(num_decode_rows)
     for b in range(num_decode_rows):
         lens[b] = rows[b].num_computed_tokens + 1
     groups = []
-    for first, end, width in decode_groups(needs, max_blocks):
+    # The kernel reads each row's own keys only: its table's width can be anything that covers them.
+    layout = [(0, num_decode_rows, max(needs))] if decode_kernel and needs else decode_groups(needs, max_blocks)
+    for first, end, width in layout:
         groups.append((first, end, width, stage_block_table(rows[first:end], width, block_size, staging)))
     prefills: list[tuple[BatchRow, int | None]] = []
     for row in rows[num_decode_rows:]:
@@ -140,7 +152,7 @@ def stage_metadata(rows: list[BatchRow], num_decode_rows: int, staging, block_si
             prefills.append((row, None))
             continue
         prefills.append((row, stage_block_table([row], row.blocks_needed(block_size), block_size, staging)))
-    return StagedMetadata(groups, prefills, lens_offset)
+    return StagedMetadata(groups, prefills, lens_offset, decode_kernel)
 
 
 def write_kv(kv: LayerKV, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -173,6 +185,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Layer
     group = num_heads // nkv
     out = q.new_empty(q.shape)  # contiguous even when q is a view of the fused projection
     for g in meta.decode_groups:
+        if meta.decode_kernel:
+            cpu_ops.paged_decode_attention(q[g.start:g.end], kv.k_cache, kv.v_cache, g.block_table, g.seq_lens,
+                                           scale, out[g.start:g.end])
+            continue
         # Grouped-query trick: the `group` query heads that share a KV head become `group` query rows,
         # so no K/V repeat is needed. SDPA sees kv heads as its batch and rows as its heads.
         nd = g.end - g.start
@@ -198,17 +214,21 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Layer
 
 
 class SdpaBackend:
-    """The CPU attention path behind the interface the model runner uses (stage, then finish)."""
+    """The CPU attention path behind the interface the model runner uses (stage, then finish).
+
+    decode_kernel: single-token rows run stepahead's CPU kernel (the runner asks for it where the
+    model's packed weights run stepahead's kernels too; the fp32 reference path keeps SDPA)."""
 
     name = "sdpa"
 
-    def __init__(self, block_size: int, max_blocks: int, arange: torch.Tensor) -> None:
+    def __init__(self, block_size: int, max_blocks: int, arange: torch.Tensor, decode_kernel: bool = False) -> None:
         self.block_size = block_size
         self.max_blocks = max_blocks  # a sequence's most blocks
         self.arange = arange  # a device arange long enough for any row's keys
+        self.decode_kernel = decode_kernel
 
     def stage(self, rows: list[BatchRow], num_decode_rows: int, staging) -> StagedMetadata:
-        return stage_metadata(rows, num_decode_rows, staging, self.block_size, self.max_blocks)
+        return stage_metadata(rows, num_decode_rows, staging, self.block_size, self.max_blocks, self.decode_kernel)
 
     def finish(self, staged: StagedMetadata, slot_mapping: torch.Tensor, staging) -> AttentionMetadata:
         return staged.finish(slot_mapping, staging, self.block_size, self.arange)

@@ -21,7 +21,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <immintrin.h>
-#include <torch/library.h>
+#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <cmath>
@@ -29,7 +29,13 @@
 #include <cstring>
 #include <vector>
 
+#include "ops.h"
+#include "simd.h"
+
 namespace {
+
+using stepahead_cpu::dot;
+using stepahead_cpu::sum_lanes;
 
 constexpr int64_t kGroup = 32;
 
@@ -41,13 +47,6 @@ inline float round_to_bf16(float v) {
   bits &= 0xffff0000u;
   std::memcpy(&v, &bits, sizeof(bits));
   return v;
-}
-
-inline float sum_lanes(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
 }
 
 constexpr float kCodeMax = 32767.f;
@@ -105,16 +104,6 @@ inline __m256 group_dot(__m256i w_lo, __m256i w_hi, const int16_t* qx) {
   const __m256i x_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx));
   const __m256i x_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + 16));
   return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(w_lo, x_lo), _mm256_madd_epi16(w_hi, x_hi)));
-}
-
-// sum(a * b) over n floats, eight lanes at a time and then the tail, always in that order.
-inline float dot(const float* a, const float* b, int64_t n) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  float total = sum_lanes(acc);
-  for (; i < n; ++i) total = std::fma(a[i], b[i], total);
-  return total;
 }
 
 struct Weight {
@@ -177,6 +166,10 @@ void column_block(const QuantizedRows& xq, int64_t M, const Weight& w, float* y,
   if (c < columns) kFewRowsOneColumn[M - row](xq, row, w, y, N, n + c);
 }
 
+}  // namespace
+
+namespace stepahead_cpu {
+
 at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be a 2-D float32 tensor");
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
@@ -202,9 +195,4 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   return y;
 }
 
-}  // namespace
-
-TORCH_LIBRARY(stepahead_cpu, m) {
-  m.def("int4_gemm(Tensor x, Tensor codes, Tensor scales, Tensor mins) -> Tensor");
-  m.impl("int4_gemm", c10::DispatchKey::CPU, TORCH_FN(int4_gemm));
-}
+}  // namespace stepahead_cpu

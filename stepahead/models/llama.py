@@ -18,6 +18,7 @@ from torch import nn
 from stepahead.attention import paged_attention
 from stepahead.attention.paged_cache import PagedKVCache
 from stepahead.distributed.state import SINGLE, ParallelState
+from stepahead.kernels import cpu_ops
 from stepahead.models.parallel_layers import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -171,15 +172,22 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
         self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
         self.scale = a.head_dim ** -0.5
+        self.kernel = False  # rope by stepahead's CPU kernel (LlamaForCausalLM.use_cpu_kernels)
 
-    def forward(self, x, cos, sin, kv, meta, prompt_rows: PromptRows | None = None) -> torch.Tensor:
+    def forward(self, x, cos_sin, kv, meta, prompt_rows: PromptRows | None = None) -> torch.Tensor:
+        """cos_sin [T, 2, head_dim]: each token's rope rows."""
         t = x.shape[0]
         heads = self.qkv_proj(x, prompt_rows).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         qk_heads, v = heads.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
-        if self.q_norm is None:
-            # q and k sit side by side in the fused projection: one rope over both halves the ops.
+        # q and k sit side by side in the fused projection: one rope over both halves the ops.
+        if self.q_norm is None and self.kernel:
+            cpu_ops.rotary_embedding_(qk_heads, cos_sin)  # in place: the projection's output is ours
+            q, k = qk_heads.split([self.num_heads, self.num_kv_heads], dim=1)
+        elif self.q_norm is None:
+            cos, sin = cos_sin[:, 0:1], cos_sin[:, 1:2]
             q, k = apply_rope(qk_heads, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         else:
+            cos, sin = cos_sin[:, 0:1], cos_sin[:, 1:2]
             q, k = qk_heads.split([self.num_heads, self.num_kv_heads], dim=1)
             q, k = apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin)
         o = paged_attention(q, k, v, kv, meta, self.scale)
@@ -206,8 +214,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
-    def forward(self, h, cos, sin, kv, meta, prompt_rows: PromptRows | None = None):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv, meta, prompt_rows)
+    def forward(self, h, cos_sin, kv, meta, prompt_rows: PromptRows | None = None):
+        h = h + self.self_attn(self.input_layernorm(h), cos_sin, kv, meta, prompt_rows)
         return h + self.mlp(self.post_attention_layernorm(h), prompt_rows)
 
 
@@ -242,6 +250,15 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = ParallelLMHead(a.vocab_size, a.hidden_size, ps,
                                           tied=self.embed_tokens if a.tie_word_embeddings else None)
         self.rope_cache: torch.Tensor | None = None  # [max_pos, 2, hd]: cos, sin
+        self.cpu_kernels = False  # whether rope and decode attention run stepahead's CPU kernels
+
+    def use_cpu_kernels(self) -> None:
+        """Run rope, and ask the runner to run decode attention, on stepahead's CPU kernels (the loader's
+        choice for packed weights in float32: torch's path stays the fp32 reference)."""
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.kernel = True
+        self.cpu_kernels = True
 
     def init_rope(self, max_positions: int, dtype: torch.dtype, device) -> None:
         pos = torch.arange(max_positions, dtype=torch.float64)
@@ -259,10 +276,9 @@ class LlamaForCausalLM(nn.Module):
             h = self.embed_tokens(input_ids)
         else:
             h = hidden if hidden is not None else self.rope_cache.new_zeros(input_ids.shape[0], self.args.hidden_size)
-        cs = self.rope_cache.index_select(0, positions)  # [T, 2, hd]
-        cos, sin = cs[:, 0:1], cs[:, 1:2]
+        cos_sin = self.rope_cache.index_select(0, positions)  # [T, 2, hd]
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, kv_cache.layer(i), meta, prompt_rows)
+            h = layer(h, cos_sin, kv_cache.layer(i), meta, prompt_rows)
         return self.norm(h) if self.ps.is_last_stage else h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

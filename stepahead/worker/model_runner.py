@@ -137,7 +137,8 @@ class ModelRunner:
         else:
             arange = torch.arange(max_blocks_per_seq * cache_config.block_size + sched_config.max_num_batched_tokens,
                                   device=self.device)
-            self.attention_backend = SdpaBackend(self.block_size, max_blocks_per_seq, arange)
+            self.attention_backend = SdpaBackend(self.block_size, max_blocks_per_seq, arange,
+                                                 decode_kernel=self.model.cpu_kernels)
         self.num_kv_blocks = cache_config.num_blocks  # the pool's size, reported to the engine
         if cache_config.gpu_memory_utilization is not None:
             self.num_kv_blocks = kv_memory.blocks_from_memory(self, cache_config.gpu_memory_utilization,

@@ -1,54 +1,108 @@
-"""The SDPA path's decode rows: a token's attention output is bitwise the same whatever else is in its
-batch, because every row is padded to a width of its own (padded_blocks), never to its group's longest."""
+"""The CPU path's decode rows: a token's attention output is bitwise the same whatever else is in its
+batch, with SDPA (every row padded to a width of its own, padded_blocks, never to its group's longest)
+and with stepahead's decode kernel (each row read through its own block table), and the kernel agrees
+with SDPA over the same keys."""
 
 from __future__ import annotations
 
+import pytest
 import torch
+import torch.nn.functional as F
 
 from stepahead.attention.paged_cache import PagedKVCache
-from stepahead.attention.sdpa import AttentionMetadata, DecodeGroup, decode_groups, paged_attention
+from stepahead.attention.rows import BatchRow
+from stepahead.attention.sdpa import SdpaBackend, paged_attention
+from stepahead.kernels import cpu_build
+from stepahead.worker.staging import StagingBuffer
 
-BLOCK = 16
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
+MAX_BLOCKS = 128
+
+needs_kernels = pytest.mark.skipif(not cpu_build.machine_can_build(), reason="needs an AVX2 CPU and a C++ compiler")
+PATHS = [pytest.param(False, id="sdpa"), pytest.param(True, id="kernel", marks=needs_kernels)]
 
 
-def _decode_meta(context_lens: list[int], blocks: list[list[int]]) -> AttentionMetadata:
-    """Metadata for decode rows (sorted by length) whose token sits at the end of its context."""
-    needs = [-(-n // BLOCK) for n in context_lens]
-    groups = []
-    for start, end, width in decode_groups(needs, max_blocks=64):
-        rows = end - start
-        table = torch.zeros(rows, width, dtype=torch.long)
-        for r in range(rows):
-            table[r, : needs[start + r]] = torch.tensor(blocks[start + r])
-        keys = torch.arange(width * BLOCK)
-        lens = torch.tensor(context_lens[start:end])
-        mask = (keys.unsqueeze(0) < lens.unsqueeze(1)).view(1, rows, 1, width * BLOCK)
-        groups.append(DecodeGroup(start, end, table, mask))
-    slots = torch.tensor([blocks[i][(n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK for i, n in enumerate(context_lens)])
-    return AttentionMetadata(slots, groups, [])
+def _attend(q, k, v, cache, rows: list[BatchRow], decode_kernel: bool, block_size: int) -> torch.Tensor:
+    """The real staging and metadata path of a step whose rows are `rows` (single-token rows first)."""
+    staging = StagingBuffer(4096, torch.device("cpu"))
+    arange = torch.arange(MAX_BLOCKS * block_size + 64)
+    backend = SdpaBackend(block_size, MAX_BLOCKS, arange, decode_kernel)
+    num_decode = sum(row.num_new_tokens == 1 for row in rows)
+    staged = backend.stage(rows, num_decode, staging)
+    slots, offset = staging.alloc(q.shape[0])
+    for row in rows:
+        for i in range(row.num_new_tokens):
+            pos = row.num_computed_tokens + i
+            slots[row.start + i] = row.block_ids[pos // block_size] * block_size + pos % block_size
+    meta = backend.finish(staged, staging.view(offset, q.shape[0]), staging)
+    assert meta.decode_kernel == decode_kernel
+    return paged_attention(q, k, v, cache.layer(0), meta, HEAD_DIM ** -0.5)
 
 
-def test_a_decode_rows_attention_does_not_depend_on_its_batch():
-    torch.manual_seed(0)
-    cache = PagedKVCache(1, 64, BLOCK, KV_HEADS, HEAD_DIM, torch.float32, "cpu")
+def _decode_rows(context_lens: list[int], blocks: list[list[int]]) -> list[BatchRow]:
+    """Decode rows whose new token is the last of its context."""
+    return [BatchRow(i, 1, n - 1, b) for i, (n, b) in enumerate(zip(context_lens, blocks, strict=True))]
+
+
+def _cache(num_blocks: int, block_size: int, kv_heads: int = KV_HEADS) -> PagedKVCache:
+    cache = PagedKVCache(1, num_blocks, block_size, kv_heads, HEAD_DIM, torch.float32, "cpu")
     cache.k[0].normal_()
     cache.v[0].normal_()
-    # Rows of 150, 160 and 190 tokens: 10, 10 and 12 blocks, all padded to 12 blocks.
+    return cache
+
+
+@pytest.mark.parametrize("decode_kernel", PATHS)
+def test_a_decode_rows_attention_does_not_depend_on_its_batch(decode_kernel):
+    torch.manual_seed(0)
+    block = 16
+    cache = _cache(64, block)
+    # Rows of 150, 160 and 190 tokens: 10, 10 and 12 blocks (SDPA pads all of them to 12).
     lens = [150, 160, 190]
     blocks = [list(range(1, 11)), list(range(11, 21)), list(range(21, 33))]
     q = torch.randn(3, HEADS, HEAD_DIM)
     k, v = torch.randn(3, KV_HEADS, HEAD_DIM), torch.randn(3, KV_HEADS, HEAD_DIM)
-    together = paged_attention(q, k, v, cache.layer(0), _decode_meta(lens, blocks), HEAD_DIM ** -0.5)
-    assert len(_decode_meta(lens, blocks).decode_groups) == 1
+    together = _attend(q, k, v, cache, _decode_rows(lens, blocks), decode_kernel, block)
     for i in range(3):
-        alone = paged_attention(q[i:i + 1], k[i:i + 1], v[i:i + 1], cache.layer(0),
-                                _decode_meta(lens[i:i + 1], blocks[i:i + 1]), HEAD_DIM ** -0.5)
+        alone = _attend(q[i:i + 1], k[i:i + 1], v[i:i + 1], cache, _decode_rows(lens[i:i + 1], blocks[i:i + 1]),
+                        decode_kernel, block)
         assert torch.equal(alone[0], together[i])
     # and the padded rows attend to their own context only
-    ref = torch.nn.functional.scaled_dot_product_attention(
+    ref = F.scaled_dot_product_attention(
         q[0].view(KV_HEADS, 3, 1, HEAD_DIM),
         cache.k[0][:, 1:11].reshape(KV_HEADS, 1, -1, HEAD_DIM)[:, :, :150].expand(KV_HEADS, 3, 150, HEAD_DIM),
         cache.v[0][:, 1:11].reshape(KV_HEADS, 1, -1, HEAD_DIM)[:, :, :150].expand(KV_HEADS, 3, 150, HEAD_DIM),
         scale=HEAD_DIM ** -0.5)
     assert torch.allclose(together[0], ref.reshape(HEADS, HEAD_DIM), atol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("kv_heads", [1, 3, 9])
+def test_the_decode_kernel_agrees_with_sdpa_in_a_mixed_batch(block_size, kv_heads):
+    """Ragged decode rows on scattered blocks, then a prefill with a cached prefix and a fresh prefill:
+    the kernel's decode rows equal SDPA's up to float rounding, and the prefill rows are SDPA's own."""
+    torch.manual_seed(block_size * 10 + kv_heads)
+    cache_len = [1, 7, 33, 100]
+    num_blocks = 4 + sum(-(-(n + 1) // block_size) for n in cache_len) + -(-40 // block_size)
+    order = torch.randperm(num_blocks - 1).add(1).tolist()  # any block but the null block 0, shuffled
+    rows, start = [], 0
+    for n in cache_len:
+        need = -(-n // block_size)
+        rows.append(BatchRow(start, 1, n - 1, order[:need]))
+        order, start = order[need:], start + 1
+    prefix_blocks = -(-40 // block_size)
+    rows.append(BatchRow(start, 8, 32, order[:prefix_blocks]))  # 8 new tokens after 32 cached
+    rows.append(BatchRow(start + 8, 5, 0, order[prefix_blocks:prefix_blocks + -(-5 // block_size)]))
+    tokens = start + 13
+    sdpa_cache = _cache(num_blocks, block_size, kv_heads)
+    kernel_cache = PagedKVCache(1, num_blocks, block_size, kv_heads, HEAD_DIM, torch.float32, "cpu")
+    kernel_cache.k[0].copy_(sdpa_cache.k[0])
+    kernel_cache.v[0].copy_(sdpa_cache.v[0])
+    # q as the model hands it over: a view into a fused projection, rows strided past k and v
+    qkv = torch.randn(tokens, HEADS + 2 * kv_heads, HEAD_DIM)
+    q, k, v = qkv.split([HEADS, kv_heads, kv_heads], dim=1)
+    by_sdpa = _attend(q, k, v, sdpa_cache, rows, False, block_size)
+    by_kernel = _attend(q, k, v, kernel_cache, rows, True, block_size)
+    assert torch.equal(kernel_cache.k[0], sdpa_cache.k[0]) and torch.equal(kernel_cache.v[0], sdpa_cache.v[0])
+    torch.testing.assert_close(by_kernel[:start], by_sdpa[:start], atol=2e-6, rtol=1e-5)
+    assert torch.equal(by_kernel[start:], by_sdpa[start:])

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from stepahead.kernels import cpu_int4
+from stepahead.kernels import cpu_build, cpu_int4
 from stepahead.models.quant_weights import quantize_int4
 from stepahead.models.quantized_linear import Int4Linear
 
 # Where the machine can build the kernel it must build: a failed build fails these tests, not skips them.
-pytestmark = pytest.mark.skipif(not cpu_int4.machine_can_build(), reason="needs an AVX2 CPU and a C++ compiler")
+pytestmark = pytest.mark.skipif(not cpu_build.machine_can_build(), reason="needs an AVX2 CPU and a C++ compiler")
 
 
 def _weight(out_features, in_features, seed=0):
@@ -98,12 +98,12 @@ def test_packed_linear_uses_the_kernel_and_its_weight_is_the_codes_weight():
 
 
 def test_the_kernel_can_be_switched_off(monkeypatch):
-    monkeypatch.setenv(cpu_int4.DISABLE_ENV, "1")
-    cpu_int4.available.cache_clear()
+    monkeypatch.setenv(cpu_build.DISABLE_ENV, "1")
+    cpu_build._module.cache_clear()
     try:
         assert not cpu_int4.available()
         assert Int4Linear(_weight(32, 64)).kernel == "torch"
     finally:
-        monkeypatch.delenv(cpu_int4.DISABLE_ENV)
-        cpu_int4.available.cache_clear()
+        monkeypatch.delenv(cpu_build.DISABLE_ENV)
+        cpu_build._module.cache_clear()
     assert cpu_int4.available()

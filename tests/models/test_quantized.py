@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from stepahead.bench.full_forward import sequence_logits
+from stepahead.kernels import cpu_build
 from stepahead.models import quantized_loader
 from stepahead.models.loader import load_model, load_model_config
 from stepahead.models.prompt_rows import ALL_PROMPT_ROWS, PromptRows, dense_rows, rows_are_invariant
@@ -87,6 +88,9 @@ def test_quantized_gguf_model_follows_the_dequantized_one(quantized_gguf, use_ca
     assert _rel_err(layer.self_attn.qkv_proj.dequantized_weight(), dense.layers[0].self_attn.qkv_proj.weight) < 1e-2
     assert _rel_err(layer.mlp.down_proj.dequantized_weight(), dense.layers[0].mlp.down_proj.weight) < 1e-2
     assert type(layer.self_attn.o_proj).__name__ == "Int8Linear"  # Q8_0
+    # Packed float32 weights run rope and decode attention on stepahead's kernels; fp32 stays torch's.
+    assert packed.cpu_kernels == cpu_build.available() and layer.self_attn.kernel == packed.cpu_kernels
+    assert not dense.cpu_kernels and not dense.layers[0].self_attn.kernel
     prompt = list(range(40, 104))
     a, b = sequence_logits(packed, prompt), sequence_logits(dense, prompt)
     assert float((a - b).abs().max()) < 0.05 * float(b.abs().max())

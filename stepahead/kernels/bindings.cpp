@@ -1,0 +1,16 @@
+// The kernels as a plain Python extension module. A pybind11 call costs about a microsecond; the same
+// kernel registered as a torch operator and called through torch.ops cost ten or more (argument
+// parsing against the schema, boxing, the dispatcher), which a one-token step pays on every one of
+// its hundreds of calls. Each call releases the GIL while it computes, as torch's operators do.
+
+#include <torch/csrc/utils/pybind.h>
+
+#include "ops.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  const auto no_gil = py::call_guard<py::gil_scoped_release>();
+  m.def("int4_gemm", &stepahead_cpu::int4_gemm, no_gil);
+  m.def("rotary_embedding", &stepahead_cpu::rotary_embedding, no_gil);
+  m.def("paged_decode_attention", &stepahead_cpu::paged_decode_attention, no_gil);
+}

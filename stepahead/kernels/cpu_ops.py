@@ -1,0 +1,30 @@
+"""The model's non-GEMM steps as single CPU kernels (rope.cpp, paged_decode.cpp; built by
+kernels/cpu_build.py), for the packed-weight path where a one-token step is otherwise dominated by
+dispatching torch's small operators. Both compute each row on its own, in a fixed order."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from stepahead.kernels import cpu_build
+
+
+def rotary_embedding_(x: torch.Tensor, cos_sin: torch.Tensor) -> None:
+    """Rotate x [tokens, heads, head_dim] (unit stride within a head) in place by each token's
+    cos_sin [tokens, 2, head_dim] rows, rotate-half convention."""
+    _op("rotary_embedding")(x, cos_sin)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                           seq_lens: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+    """Attention of one new token per row over its seq_lens[row] keys in the head-major paged cache
+    ([kv_heads, blocks, block_size, head_dim]), read through block_table [rows, width]; q [rows, heads,
+    head_dim] (any row and head strides), written to out (contiguous, shaped like q)."""
+    _op("paged_decode_attention")(q, k_cache, v_cache, block_table, seq_lens, scale, out)
+
+
+@functools.cache
+def _op(name: str):
+    return cpu_build.op(name)

@@ -1,0 +1,18 @@
+// The CPU kernels' entry points (bindings.cpp hands them to Python).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+namespace stepahead_cpu {
+
+// y [M, N] = x [M, K] float32 times the 4-bit [N, K] weight  codes * scales + mins  (int4_gemm.cpp).
+at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins);
+
+// Rotate-half rope of x [tokens, heads, head_dim] in place by cos_sin [tokens, 2, head_dim] (rope.cpp).
+void rotary_embedding(at::Tensor& x, const at::Tensor& cos_sin);
+
+// One new token per row attending over its keys in the paged cache, into out (paged_decode.cpp).
+void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& block_table, const at::Tensor& seq_lens, double scale, at::Tensor& out);
+
+}  // namespace stepahead_cpu
