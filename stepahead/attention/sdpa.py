@@ -63,6 +63,12 @@ class AttentionMetadata:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, scale: float) -> torch.Tensor:
         return paged_attention(q, k, v, kv, self, scale)
 
+    def single_decode_group(self) -> DecodeGroup | None:
+        """The step's only group when every row is a decode row for the kernel (what DecodeStack runs)."""
+        if self.decode_kernel and not self.prefills and len(self.decode_groups) == 1:
+            return self.decode_groups[0]
+        return None
+
 
 def padded_blocks(blocks: int) -> int:
     """The table width a decode row needing `blocks` blocks is padded to: the next of 1, 2, 3, 4, 6, 8,

@@ -3,8 +3,10 @@
 // parsing against the schema, boxing, the dispatcher), which a one-token step pays on every one of
 // its hundreds of calls. Each call releases the GIL while it computes, as torch's operators do.
 
+#include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include "decode_stack.h"
 #include "ops.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -13,4 +15,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_gemm", &stepahead_cpu::int4_gemm, no_gil);
   m.def("rotary_embedding", &stepahead_cpu::rotary_embedding, no_gil);
   m.def("paged_decode_attention", &stepahead_cpu::paged_decode_attention, no_gil);
+  py::class_<stepahead_cpu::DecodeStack>(m, "DecodeStack")
+      .def(py::init<const std::vector<std::vector<at::Tensor>>&, int64_t, int64_t, int64_t, double, double>())
+      .def("forward", &stepahead_cpu::DecodeStack::forward, no_gil);
 }

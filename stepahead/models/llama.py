@@ -17,8 +17,10 @@ from torch import nn
 
 from stepahead.attention import paged_attention
 from stepahead.attention.paged_cache import PagedKVCache
+from stepahead.attention.sdpa import AttentionMetadata
 from stepahead.distributed.state import SINGLE, ParallelState
 from stepahead.kernels import cpu_ops
+from stepahead.models.cpu_decode_stack import build_decode_stack
 from stepahead.models.parallel_layers import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -251,14 +253,17 @@ class LlamaForCausalLM(nn.Module):
                                           tied=self.embed_tokens if a.tie_word_embeddings else None)
         self.rope_cache: torch.Tensor | None = None  # [max_pos, 2, hd]: cos, sin
         self.cpu_kernels = False  # whether rope and decode attention run stepahead's CPU kernels
+        self.decode_stack = None  # the layers as one C++ call for decode-only steps (models/cpu_decode_stack.py)
 
     def use_cpu_kernels(self) -> None:
-        """Run rope, and ask the runner to run decode attention, on stepahead's CPU kernels (the loader's
-        choice for packed weights in float32: torch's path stays the fp32 reference)."""
+        """Run rope, and ask the runner to run decode attention, on stepahead's CPU kernels, and decode-only
+        steps through DecodeStack where every projection allows (the loader's choice for packed weights in
+        float32: torch's path stays the fp32 reference)."""
         for module in self.modules():
             if isinstance(module, Attention):
                 module.kernel = True
         self.cpu_kernels = True
+        self.decode_stack = build_decode_stack(self)
 
     def init_rope(self, max_positions: int, dtype: torch.dtype, device) -> None:
         pos = torch.arange(max_positions, dtype=torch.float64)
@@ -277,8 +282,15 @@ class LlamaForCausalLM(nn.Module):
         else:
             h = hidden if hidden is not None else self.rope_cache.new_zeros(input_ids.shape[0], self.args.hidden_size)
         cos_sin = self.rope_cache.index_select(0, positions)  # [T, 2, hd]
-        for i, layer in enumerate(self.layers):
-            h = layer(h, cos_sin, kv_cache.layer(i), meta, prompt_rows)
+        group = None
+        if self.decode_stack is not None and prompt_rows is None and isinstance(meta, AttentionMetadata):
+            group = meta.single_decode_group()
+        if group is not None:  # the same operators in the same order, from C++
+            h = self.decode_stack.forward(h, cos_sin, kv_cache.k, kv_cache.v, group.block_table, group.seq_lens,
+                                          meta.slot_mapping)
+        else:
+            for i, layer in enumerate(self.layers):
+                h = layer(h, cos_sin, kv_cache.layer(i), meta, prompt_rows)
         return self.norm(h) if self.ps.is_last_stage else h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

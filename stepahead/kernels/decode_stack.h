@@ -1,0 +1,42 @@
+// DecodeStack: the decoder layers of a decode-only step in one call (decode_stack.cpp).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <vector>
+
+namespace stepahead_cpu {
+
+struct Int4Weight {
+  at::Tensor codes, scales, mins;  // int4_gemm's operands
+  at::Tensor bias;                 // undefined: none
+};
+
+class DecodeStack {
+ public:
+  // Per layer, in this order: input norm weight, post-attention norm weight, then codes, scales, mins
+  // and bias (an empty tensor for none) of the q/k/v, o, gate/up and down projections.
+  static constexpr size_t kTensorsPerLayer = 18;
+
+  DecodeStack(const std::vector<std::vector<at::Tensor>>& layers, int64_t heads, int64_t kv_heads, int64_t head_dim,
+              double eps, double scale);
+
+  // h [rows, hidden] float32 (the residual stream entering the first layer), one new token per row:
+  // the residual stream after the last layer. cos_sin [rows, 2, head_dim]: the tokens' rope rows; the
+  // caches, tables and lengths as paged_decode_attention takes them; slot_mapping [rows]: where each
+  // token's K/V goes.
+  at::Tensor forward(at::Tensor h, const at::Tensor& cos_sin, const std::vector<at::Tensor>& k_caches,
+                     const std::vector<at::Tensor>& v_caches, const at::Tensor& block_table,
+                     const at::Tensor& seq_lens, const at::Tensor& slot_mapping) const;
+
+ private:
+  struct Layer {
+    at::Tensor input_norm, post_norm;
+    Int4Weight qkv, o, gate_up, down;
+  };
+  std::vector<Layer> layers_;
+  int64_t heads_, kv_heads_, head_dim_;
+  double eps_, scale_;
+};
+
+}  // namespace stepahead_cpu
