@@ -19,7 +19,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("bindings.cpp", "int4_gemm.cpp", "rope.cpp", "paged_decode.cpp", "decode_stack.cpp")]
+           for name in ("bindings.cpp", "int4_gemm.cpp", "rms_norm.cpp", "rope.cpp", "paged_decode.cpp",
+                         "decode_stack.cpp")]
 # -fopenmp: at::parallel_for is inlined into the kernels; -ffp-contract=off: a multiply and an add stay
 # two roundings unless a kernel asks for a fused multiply-add (rope.cpp matches torch's arithmetic so).
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off"]

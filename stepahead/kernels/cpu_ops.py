@@ -11,6 +11,23 @@ import torch
 from stepahead.kernels import cpu_build
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """torch's F.rms_norm over the last dimension in one call, bitwise where rms_norm_is_torchs(dim)."""
+    flat = x.reshape(-1, x.shape[-1])
+    return _op("rms_norm")(flat if flat.is_contiguous() else flat.contiguous(), weight, eps).view(x.shape)
+
+
+# torch splits a single row's sum between threads from this many elements (ATen's GRAIN_SIZE)
+TORCH_SERIAL_SUM_LIMIT = 32768
+
+
+def rms_norm_is_torchs(dim: int) -> bool:
+    """Whether rms_norm reproduces torch's arithmetic here for rows of `dim`: it follows the order of
+    torch's AVX2 sum kernel, which torch runs on an AVX2 CPU (on AVX-512 it sums 16 lanes at a time)
+    over one thread's share (a row of TORCH_SERIAL_SUM_LIMIT or more may be split between threads)."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX2" and dim < TORCH_SERIAL_SUM_LIMIT
+
+
 def rotary_embedding_(x: torch.Tensor, cos_sin: torch.Tensor) -> None:
     """Rotate x [tokens, heads, head_dim] (unit stride within a head) in place by each token's
     cos_sin [tokens, 2, head_dim] rows, rotate-half convention."""

@@ -18,8 +18,9 @@ class DecodeStack {
   // and bias (an empty tensor for none) of the q/k/v, o, gate/up and down projections.
   static constexpr size_t kTensorsPerLayer = 18;
 
+  // exact_norm: stepahead's rms_norm is torch's arithmetic on this CPU (else torch's own is called).
   DecodeStack(const std::vector<std::vector<at::Tensor>>& layers, int64_t heads, int64_t kv_heads, int64_t head_dim,
-              double eps, double scale);
+              double eps, double scale, bool exact_norm);
 
   // h [rows, hidden] float32 (the residual stream entering the first layer), one new token per row:
   // the residual stream after the last layer. cos_sin [rows, 2, head_dim]: the tokens' rope rows; the
@@ -37,6 +38,9 @@ class DecodeStack {
   std::vector<Layer> layers_;
   int64_t heads_, kv_heads_, head_dim_;
   double eps_, scale_;
+  bool exact_norm_;
+
+  at::Tensor norm(const at::Tensor& h, const at::Tensor& weight) const;
 };
 
 }  // namespace stepahead_cpu

@@ -8,6 +8,10 @@ namespace stepahead_cpu {
 // y [M, N] = x [M, K] float32 times the 4-bit [N, K] weight  codes * scales + mins  (int4_gemm.cpp).
 at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins);
 
+// torch's rms_norm over the rows of a contiguous [rows, dim] float32 tensor, bitwise, where torch runs
+// its AVX2 kernels (rms_norm.cpp).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+
 // Rotate-half rope of x [tokens, heads, head_dim] in place by cos_sin [tokens, 2, head_dim] (rope.cpp).
 void rotary_embedding(at::Tensor& x, const at::Tensor& cos_sin);
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from stepahead.kernels import cpu_build
+from stepahead.kernels import cpu_build, cpu_ops
 from stepahead.models.quantized_linear import Int4Linear
 
 
@@ -33,4 +33,5 @@ def build_decode_stack(model):
         layers.append(tensors)
     attn = model.layers[0].self_attn
     return cpu_build.op("DecodeStack")(layers, attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                                       model.args.rms_norm_eps, attn.scale)
+                                       model.args.rms_norm_eps, attn.scale,
+                                       cpu_ops.rms_norm_is_torchs(model.args.hidden_size))

@@ -110,8 +110,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kernel = False  # stepahead's CPU kernel: torch's arithmetic, bitwise, in one call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel:
+            return cpu_ops.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
@@ -252,16 +255,19 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = ParallelLMHead(a.vocab_size, a.hidden_size, ps,
                                           tied=self.embed_tokens if a.tie_word_embeddings else None)
         self.rope_cache: torch.Tensor | None = None  # [max_pos, 2, hd]: cos, sin
-        self.cpu_kernels = False  # whether rope and decode attention run stepahead's CPU kernels
+        self.cpu_kernels = False  # whether rope, norms and decode attention run stepahead's CPU kernels
         self.decode_stack = None  # the layers as one C++ call for decode-only steps (models/cpu_decode_stack.py)
 
     def use_cpu_kernels(self) -> None:
-        """Run rope, and ask the runner to run decode attention, on stepahead's CPU kernels, and decode-only
-        steps through DecodeStack where every projection allows (the loader's choice for packed weights in
-        float32: torch's path stays the fp32 reference)."""
+        """Run rope and the norms (where the norm kernel is torch's arithmetic), and ask the runner to run
+        decode attention, on stepahead's CPU kernels, and decode-only steps through DecodeStack where every
+        projection allows (the loader's choice for packed weights in float32: torch's path stays the fp32
+        reference)."""
         for module in self.modules():
             if isinstance(module, Attention):
                 module.kernel = True
+            elif isinstance(module, RMSNorm):
+                module.kernel = cpu_ops.rms_norm_is_torchs(module.weight.shape[0])
         self.cpu_kernels = True
         self.decode_stack = build_decode_stack(self)
 

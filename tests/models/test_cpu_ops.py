@@ -1,9 +1,11 @@
-"""stepahead's rope kernel (kernels/rope.cpp), built on this machine: bitwise torch's arithmetic, in place."""
+"""stepahead's rope and RMSNorm kernels (kernels/rope.cpp, rms_norm.cpp), built on this machine: each
+bitwise torch's arithmetic."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from stepahead.kernels import cpu_build, cpu_ops
 from stepahead.models.llama import apply_rope
@@ -22,3 +24,17 @@ def test_rope_is_torchs_arithmetic_in_place(tokens, heads, head_dim):
     cpu_ops.rotary_embedding_(rotated[:, :heads], cos_sin)
     assert torch.equal(rotated[:, :heads], expected)
     assert torch.equal(rotated[:, heads:], fused[:, heads:])
+
+
+@pytest.mark.skipif(not cpu_ops.rms_norm_is_torchs(64), reason="torch sums in 16 lanes on AVX-512: kernel not used")
+@pytest.mark.parametrize("dim", [8, 31, 64, 576, 960, 1000, 4096, 32767])  # 32767: the levels of torch's cascade
+@pytest.mark.parametrize("rows", [1, 3, 65])
+def test_rms_norm_is_torchs_arithmetic_bitwise(dim, rows):
+    assert cpu_ops.rms_norm_is_torchs(dim) and not cpu_ops.rms_norm_is_torchs(cpu_ops.TORCH_SERIAL_SUM_LIMIT)
+    torch.manual_seed(dim + rows)
+    weight = torch.randn(dim)
+    for scale in (1e-3, 1.0, 30.0):
+        x = torch.randn(rows, dim) * scale
+        assert torch.equal(cpu_ops.rms_norm(x, weight, 1e-5), F.rms_norm(x, (dim,), weight, 1e-5))
+    heads = torch.randn(2, 3, 2 * dim)[:, :, :dim]  # a strided view, as Qwen3's per-head norms see
+    assert torch.equal(cpu_ops.rms_norm(heads, weight, 1e-6), F.rms_norm(heads, (dim,), weight, 1e-6))
