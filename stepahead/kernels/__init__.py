@@ -1,1 +1,1 @@
-"""stepahead's own CPU kernels, compiled on first use (see cpu_int4.py)."""
+"""stepahead's own CPU kernels, compiled on first use (see cpu_build.py)."""

@@ -13,6 +13,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   const auto no_gil = py::call_guard<py::gil_scoped_release>();
   m.def("int4_gemm", &stepahead_cpu::int4_gemm, no_gil);
+  m.def("int8_gemm", &stepahead_cpu::int8_gemm, no_gil);
   m.def("rms_norm", &stepahead_cpu::rms_norm, no_gil);
   m.def("rotary_embedding", &stepahead_cpu::rotary_embedding, no_gil);
   m.def("paged_decode_attention", &stepahead_cpu::paged_decode_attention, no_gil);

@@ -1,5 +1,5 @@
 """stepahead's CPU kernels (the .cpp files beside this one), compiled into one extension with torch's
-C++ extension builder on first use: about 20 s once per machine, then loaded from torch's cache
+C++ extension builder on first use: about 40 s once per machine, then loaded from torch's cache
 (~/.cache/torch_extensions, or TORCH_EXTENSIONS_DIR).
 
 They need an x86 CPU with AVX2 and FMA and a C++ compiler; where either is missing, or the build
@@ -19,7 +19,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("bindings.cpp", "int4_gemm.cpp", "rms_norm.cpp", "rope.cpp", "paged_decode.cpp",
+           for name in ("bindings.cpp", "packed_gemm.cpp", "rms_norm.cpp", "rope.cpp", "paged_decode.cpp",
                          "decode_stack.cpp")]
 # -fopenmp: at::parallel_for is inlined into the kernels; -ffp-contract=off: a multiply and an add stay
 # two roundings unless a kernel asks for a fused multiply-add (rope.cpp matches torch's arithmetic so).

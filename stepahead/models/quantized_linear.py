@@ -2,13 +2,14 @@
 
 - Int4Linear: 4-bit codes with a scale and an offset per group of inputs (GGUF Q4_0/Q4_1, or
   --quantization int4). With groups of 32 on an AVX2 CPU it keeps GGUF's block layout and runs
-  stepahead's own kernel (kernels/int4_gemm.cpp: activations quantized to 16-bit integers per group
+  stepahead's own kernel (kernels/packed_gemm.cpp: activations quantized to 16-bit integers per group
   of 32, exact integer dot products; 1.2-1.6x torch's kernel at 32 rows). Otherwise the codes are packed
   by `torch._convert_weight_to_int4pack_for_cpu` and multiplied by `torch._weight_int4pack_mm_for_cpu`,
   which computes  (q - 8) * scale + zero  per group (a code's offset `min` becomes
   zero = min + 8 * scale) on bfloat16 activations.
-- Int8Linear: int8 codes with one scale per row (GGUF Q8_0 requantized per row, or --quantization
-  int8), multiplied by `torch._weight_int8pack_mm` on bfloat16 activations.
+- Int8Linear: int8 codes. GGUF's Q8_0 (a scale per group of 32) on an AVX2 CPU runs stepahead's
+  8-bit kernel of the same kind (packed_gemm.cpp); otherwise (and for --quantization int8, one scale
+  per row) `torch._weight_int8pack_mm` on bfloat16 activations, Q8_0 requantized per row.
 
 torch's kernels take bfloat16 activations: their fp32 variants are 5-30x slower (docs/BENCHMARKS.md
 section 14), and the rounding is far below the weights' own quantization error. Every kernel rounds
@@ -28,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from stepahead.kernels import cpu_int4
+from stepahead.kernels import cpu_packed
 from stepahead.models.prompt_rows import ACTIVATION_ROUNDING, PromptRows, dense_rows
 from stepahead.models.quant_weights import GroupQuantWeight, to_int8_rows
 
@@ -79,9 +80,9 @@ class Int4Linear(_PackedBase):
             raise ValueError("Int4Linear needs 4-bit codes with per-group offsets")
         super().__init__(*weight.shape, bias)
         self.group_size = weight.group_size
-        self.kernel = "stepahead" if self.group_size == cpu_int4.GROUP and cpu_int4.available() else "torch"
+        self.kernel = "stepahead" if self.group_size == cpu_packed.GROUP and cpu_packed.available() else "torch"
         if self.kernel == "stepahead":
-            self.register_buffer("codes", cpu_int4.pack_codes(weight.q))
+            self.register_buffer("codes", cpu_packed.pack_codes(weight.q))
             self.register_buffer("scales", weight.scales.float().contiguous())
             self.register_buffer("mins", weight.mins.float().contiguous())
             return
@@ -94,14 +95,14 @@ class Int4Linear(_PackedBase):
 
     def _packed_mm(self, flat: torch.Tensor) -> torch.Tensor:
         if self.kernel == "stepahead":
-            return cpu_int4.int4_gemm(flat.float(), self.codes, self.scales, self.mins)
+            return cpu_packed.int4_gemm(flat.float(), self.codes, self.scales, self.mins)
         return torch._weight_int4pack_mm_for_cpu(flat.to(KERNEL_DTYPE), self.packed, self.group_size,
                                                  self.scales_zeros)
 
     def dequantized_weight(self) -> torch.Tensor:
         """The [out, in] float32 weight the kernel multiplies with."""
         if self.kernel == "stepahead":
-            codes = cpu_int4.unpack_codes(self.codes)
+            codes = cpu_packed.unpack_codes(self.codes)
             return GroupQuantWeight(codes, self.scales, self.mins, self.group_size, 4).dequantize()
         # torch's kernel through an identity input: its weight with bf16 scales and zeros.
         eye = torch.eye(self.in_features, dtype=KERNEL_DTYPE)
@@ -114,19 +115,28 @@ class Int4Linear(_PackedBase):
 
 class Int8Linear(_PackedBase):
     def __init__(self, weight: GroupQuantWeight, bias: torch.Tensor | None = None) -> None:
-        rows = to_int8_rows(weight)
-        super().__init__(*rows.shape, bias)
+        super().__init__(*weight.shape, bias)
+        self.kernel = "stepahead" if weight.group_size == cpu_packed.GROUP and cpu_packed.available() else "torch"
+        if self.kernel == "stepahead":  # GGUF's Q8_0 blocks as they are
+            self.register_buffer("qweight", weight.q.to(torch.int8).contiguous())
+            self.register_buffer("scales", weight.scales.float().contiguous())
+            return
+        rows = to_int8_rows(weight)  # torch's kernel takes one scale per row
         self.register_buffer("qweight", rows.q.contiguous())
         self.register_buffer("scales", rows.scales.reshape(-1).to(KERNEL_DTYPE).contiguous())
 
     def _packed_mm(self, flat: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "stepahead":
+            return cpu_packed.int8_gemm(flat.float(), self.qweight, self.scales)
         return torch._weight_int8pack_mm(flat.to(KERNEL_DTYPE), self.qweight, self.scales)
 
     def dequantized_weight(self) -> torch.Tensor:
+        if self.kernel == "stepahead":
+            return GroupQuantWeight(self.qweight, self.scales, None, cpu_packed.GROUP, 8).dequantize()
         return self.qweight.float() * self.scales.float().unsqueeze(1)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel}"
 
 
 def quantized_linear(weight: GroupQuantWeight, bias: torch.Tensor | None = None) -> nn.Module:

@@ -1,4 +1,4 @@
-"""The AVX2 4-bit GEMM (int4_gemm.cpp; built by kernels/cpu_build.py).
+"""The AVX2 4-bit and 8-bit GEMMs (packed_gemm.cpp; built by kernels/cpu_build.py).
 
 torch's own weight-only int4 kernel multiplies bf16 activations with weights dequantized in floating
 point; this one keeps GGUF's block layout, quantizes the activations to 16-bit integers per group of
@@ -6,7 +6,9 @@ point; this one keeps GGUF's block layout, quantizes the activations to 16-bit i
 bits). Over the built-in model's 120 projections at 32 rows it took 115-130 ms against 161-194 ms
 (three runs); at one row it is within the noise of torch's (14-21 against 18-19 ms). Its logits are
 closer to the fp32 model's (fp32 scales instead of bf16 ones). A row's result does not depend on its
-batch (see the source). Where the kernels are not built, the packed linears use torch's kernel."""
+batch (see the source). The 8-bit one multiplies GGUF's Q8_0 codes with their per-group scales
+(torch's int8 kernel takes one scale per row, so Q8_0 would be requantized). Where the kernels are
+not built, the packed linears use torch's kernels."""
 
 from __future__ import annotations
 
@@ -27,13 +29,19 @@ def available() -> bool:
 def int4_gemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
     """x [M, K] float32 times the [N, K] weight  codes * scales + mins  (GGUF block layout): [M, N] float32,
     with x and the result rounded to bf16 values."""
-    return _op()(x, codes, scales, mins)
+    return _op("int4_gemm")(x, codes, scales, mins)
+
+
+def int8_gemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32 times the [N, K] weight  codes * scales  (int8 codes, a scale per group of 32):
+    [M, N] float32, with x and the result rounded to bf16 values."""
+    return _op("int8_gemm")(x, codes, scales)
 
 
 @functools.cache
-def _op():
-    """The loaded operator, looked up once (a projection calls it every step)."""
-    return cpu_build.op("int4_gemm")
+def _op(name: str):
+    """The kernel, looked up once (a projection calls it every step)."""
+    return cpu_build.op(name)
 
 
 def pack_codes(q: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""stepahead's AVX2 4-bit kernel (kernels/int4_gemm.cpp), built on this machine: its arithmetic against
+"""stepahead's AVX2 4-bit kernel (kernels/packed_gemm.cpp), built on this machine: its arithmetic against
 the same arithmetic in float64, a row's result in any batch, and the packed linear's choice of kernel."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from stepahead.kernels import cpu_build, cpu_int4
-from stepahead.models.quant_weights import quantize_int4
-from stepahead.models.quantized_linear import Int4Linear
+from stepahead.kernels import cpu_build, cpu_packed
+from stepahead.models.quant_weights import GroupQuantWeight, quantize_int4, quantize_int8_rows
+from stepahead.models.quantized_linear import Int4Linear, Int8Linear
 
 # Where the machine can build the kernel it must build: a failed build fails these tests, not skips them.
 pytestmark = pytest.mark.skipif(not cpu_build.machine_can_build(), reason="needs an AVX2 CPU and a C++ compiler")
@@ -32,14 +32,14 @@ def _reference(x, weight):
     qx = np.rint(groups.astype(np.float32) * inv).astype(np.int64)
     q = weight.q.numpy().astype(np.int64).reshape(weight.q.shape[0], -1, 32)
     dots = np.einsum("rgk,ngk->rng", qx, q)  # exact integers
-    scales, mins = weight.scales.double().numpy(), weight.mins.double().numpy()
-    y = (dots * scales[None] * dx.transpose(0, 2, 1)).sum(-1)
-    y += (mins[None] * (dx[..., 0] * qx.sum(-1))[:, None, :]).sum(-1)
+    y = (dots * weight.scales.double().numpy()[None] * dx.transpose(0, 2, 1)).sum(-1)
+    if weight.mins is not None:  # 4-bit codes' offsets; Q8_0 has none
+        y += (weight.mins.double().numpy()[None] * (dx[..., 0] * qx.sum(-1))[:, None, :]).sum(-1)
     return torch.from_numpy(y).float().bfloat16().float()
 
 
 def _args(weight):
-    return cpu_int4.pack_codes(weight.q), weight.scales.contiguous(), weight.mins.contiguous()
+    return cpu_packed.pack_codes(weight.q), weight.scales.contiguous(), weight.mins.contiguous()
 
 
 @pytest.mark.parametrize("rows,out_features,in_features", [(1, 16, 32), (3, 37, 64), (5, 64, 96), (13, 50, 576),
@@ -49,7 +49,7 @@ def test_kernel_computes_the_quantized_product(rows, out_features, in_features):
     x = torch.randn(rows, in_features) * 3
     if in_features > 32:
         x[0, :32] = 0  # an all-zero group: scale 0, no division by zero
-    y = cpu_int4.int4_gemm(x, *_args(weight))
+    y = cpu_packed.int4_gemm(x, *_args(weight))
     ref = _reference(x, weight)
     # Up to one bfloat16 step where float32 summation lands on the other side of a rounding boundary.
     step = ref.abs().clamp(min=1e-30) * 2.0 ** -7
@@ -64,25 +64,25 @@ def test_a_non_finite_activation_makes_its_row_nan_and_no_other():
     x = torch.randn(3, 64)
     x[1, 40] = float("nan")
     x[2, 3] = float("inf")
-    y = cpu_int4.int4_gemm(x, *_args(weight))
+    y = cpu_packed.int4_gemm(x, *_args(weight))
     assert bool(y[1:].isnan().all()) and bool(y[0].isfinite().all())
 
 
 def test_codes_pack_in_ggufs_block_layout():
     q = torch.randint(0, 16, (3, 64), dtype=torch.uint8)
-    packed = cpu_int4.pack_codes(q)
+    packed = cpu_packed.pack_codes(q)
     assert packed.shape == (3, 32)
     assert int(packed[1, 16 + 5]) == int(q[1, 32 + 5]) | (int(q[1, 32 + 21]) << 4)  # byte j: j low, j + 16 high
-    assert torch.equal(cpu_int4.unpack_codes(packed), q)
+    assert torch.equal(cpu_packed.unpack_codes(packed), q)
 
 
 def test_a_row_is_computed_the_same_at_any_position_in_any_batch():
     weight = _weight(70, 192)
     args = _args(weight)
     x = torch.randn(64, 192)
-    alone = [cpu_int4.int4_gemm(x[i:i + 1], *args) for i in range(64)]
+    alone = [cpu_packed.int4_gemm(x[i:i + 1], *args) for i in range(64)]
     for rows in range(1, 65):
-        batch = cpu_int4.int4_gemm(x[:rows], *args)
+        batch = cpu_packed.int4_gemm(x[:rows], *args)
         assert all(torch.equal(batch[i], alone[i][0]) for i in range(rows)), rows
 
 
@@ -92,7 +92,7 @@ def test_packed_linear_uses_the_kernel_and_its_weight_is_the_codes_weight():
     assert layer.kernel == "stepahead" and "kernel=stepahead" in repr(layer)
     assert torch.equal(layer.dequantized_weight(), weight.dequantize())
     x = torch.randn(4, 128)
-    assert torch.equal(layer(x), cpu_int4.int4_gemm(x, *_args(weight)) + layer.bias)
+    assert torch.equal(layer(x), cpu_packed.int4_gemm(x, *_args(weight)) + layer.bias)
     odd_groups = quantize_int4(torch.randn(48, 128), group_size=64)
     assert Int4Linear(odd_groups).kernel == "torch"  # the kernel reads GGUF's blocks of 32 only
 
@@ -101,9 +101,38 @@ def test_the_kernel_can_be_switched_off(monkeypatch):
     monkeypatch.setenv(cpu_build.DISABLE_ENV, "1")
     cpu_build._module.cache_clear()
     try:
-        assert not cpu_int4.available()
+        assert not cpu_packed.available()
         assert Int4Linear(_weight(32, 64)).kernel == "torch"
     finally:
         monkeypatch.delenv(cpu_build.DISABLE_ENV)
         cpu_build._module.cache_clear()
-    assert cpu_int4.available()
+    assert cpu_packed.available()
+
+
+def _q8_0(out_features, in_features, seed=0):
+    """GGUF Q8_0's shape of weight: int8 codes (the full range) and a scale per group of 32."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(-128, 128, (out_features, in_features), dtype=torch.int8, generator=gen)
+    return GroupQuantWeight(q, torch.rand(out_features, in_features // 32, generator=gen) / 64, None, 32, 8)
+
+
+@pytest.mark.parametrize("rows,out_features,in_features", [(1, 16, 32), (5, 37, 96), (32, 96, 576)])
+def test_the_8bit_kernel_computes_the_q8_0_product_row_by_row(rows, out_features, in_features):
+    weight = _q8_0(out_features, in_features)
+    x = torch.randn(rows, in_features) * 3
+    x[0, -32:] = 1000.0  # a group at the codes' extremes: each lane's integer sum stays exact in float
+    y = cpu_packed.int8_gemm(x, weight.q, weight.scales)
+    ref = _reference(x, weight)
+    assert bool(((y - ref).abs() <= ref.abs().clamp(min=1e-30) * 2.0 ** -7).all())
+    for i in range(rows):
+        assert torch.equal(cpu_packed.int8_gemm(x[i:i + 1], weight.q, weight.scales)[0], y[i])
+
+
+def test_int8_linear_runs_q8_0_on_the_kernel_and_per_row_codes_on_torchs():
+    weight = _q8_0(48, 128)
+    layer = Int8Linear(weight)
+    assert layer.kernel == "stepahead" and "kernel=stepahead" in repr(layer)
+    assert torch.equal(layer.dequantized_weight(), weight.dequantize())
+    x = torch.randn(3, 128)
+    assert torch.equal(layer(x), cpu_packed.int8_gemm(x, weight.q, weight.scales))
+    assert Int8Linear(quantize_int8_rows(torch.randn(48, 128))).kernel == "torch"  # one scale per row

@@ -1,13 +1,14 @@
-// y = x @ W^T for W held as 4-bit codes in GGUF's block layout, on x86 CPUs with AVX2, with integer
-// dot products (as llama.cpp multiplies its Q4 codes, but with 16-bit activations, not 8-bit).
+// y = x @ W^T for W held as 4-bit or 8-bit codes in GGUF's block layouts, on x86 CPUs with AVX2, with
+// integer dot products (as llama.cpp multiplies its Q4 and Q8 codes, but with 16-bit activations, not
+// 8-bit).
 //
-// W is [N, K] in groups of 32 consecutive inputs: codes [N, K / 2] bytes (byte j of a group holds
-// element j in its low nibble and element j + 16 in its high nibble), scales and mins [N, K / 32]
-// float32, so w = q * scale + min. Each row of x is quantized per group of 32 to int16 codes qx with
-// one scale dx = max|x| / 32767, so a group's product is
+// W is [N, K] in groups of 32 consecutive inputs with float32 scales [N, K / 32]. 4-bit (int4_gemm):
+// codes [N, K / 2] bytes (byte j of a group holds element j in its low nibble and element j + 16 in its
+// high nibble) and mins [N, K / 32], so w = q * scale + min. 8-bit (int8_gemm, GGUF's Q8_0): codes
+// [N, K] int8, w = q * scale. Each row of x is quantized per group of 32 to int16 codes qx with one
+// scale dx = max|x| / 32767, so a group's product is
 //     sum(w * x) = scale * dx * sum(q * qx) + min * dx * sum(qx)
-// where sum(q * qx) is exact in int32 (vpmaddwd; at most 15 * 32767 * 32 < 2^24, so exact in float
-// too). Activations are rounded to bfloat16 values before they are quantized (see quantize_rows), and
+// where sum(q * qx) is exact in int32 (vpmaddwd) and in float (each lane's sum stays under 2^24). Activations are rounded to bfloat16 values before they are quantized (see quantize_rows), and
 // 15-bit codes keep that precision (8-bit ones, as llama.cpp's, tripled the built-in model's logit
 // error against fp32). Outputs are rounded to bfloat16 values, as torch's weight-only kernels round
 // theirs.
@@ -91,13 +92,29 @@ QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
   return q;
 }
 
-// The 32 codes of one weight group as two vectors of 16 int16: elements 0..15 and 16..31.
-inline void unpack_group(const uint8_t* codes, __m256i& lo, __m256i& hi) {
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
-  const __m128i mask = _mm_set1_epi8(0x0f);
-  lo = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, mask));
-  hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
-}
+// The weight formats, each a group of 32 codes unpacked as two vectors of 16 int16 (elements 0..15
+// and 16..31). Q4: 16 bytes of nibbles (element j low, j + 16 high), w = q * scale + min. Q8 (GGUF's
+// Q8_0 blocks): 32 signed bytes, w = q * scale; |q| <= 128 keeps a group's int32 lanes, four products
+// each, under 4 * 128 * 32767 < 2^24, so still exact in float.
+struct Q4 {
+  static constexpr int64_t kGroupBytes = kGroup / 2;
+  static constexpr bool kHasMins = true;
+  static void unpack(const uint8_t* codes, __m256i& lo, __m256i& hi) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    lo = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, mask));
+    hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
+  }
+};
+
+struct Q8 {
+  static constexpr int64_t kGroupBytes = kGroup;
+  static constexpr bool kHasMins = false;
+  static void unpack(const uint8_t* codes, __m256i& lo, __m256i& hi) {
+    lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+    hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16)));
+  }
+};
 
 // sum(q * qx) over a group as 8 int32 lanes converted to float (exact: |sum| < 2^24).
 inline __m256 group_dot(__m256i w_lo, __m256i w_hi, const int16_t* qx) {
@@ -114,7 +131,7 @@ struct Weight {
 };
 
 // y[row .. row + R) x [n .. n + C).
-template <int R, int C>
+template <typename F, int R, int C>
 void tile(const QuantizedRows& xq, int64_t row, const Weight& w, float* y, int64_t N, int64_t n) {
   const int64_t K = w.K, groups = K / kGroup;
   __m256 acc[R][C];
@@ -124,7 +141,7 @@ void tile(const QuantizedRows& xq, int64_t row, const Weight& w, float* y, int64
     __m256i w_lo[C], w_hi[C];
     __m256 wscale[C];
     for (int c = 0; c < C; ++c) {
-      unpack_group(w.codes + (n + c) * (K / 2) + g * (kGroup / 2), w_lo[c], w_hi[c]);
+      F::unpack(w.codes + (n + c) * groups * F::kGroupBytes + g * F::kGroupBytes, w_lo[c], w_hi[c]);
       wscale[c] = _mm256_set1_ps(w.scales[(n + c) * groups + g]);
     }
     for (int r = 0; r < R; ++r) {
@@ -137,33 +154,57 @@ void tile(const QuantizedRows& xq, int64_t row, const Weight& w, float* y, int64
   for (int r = 0; r < R; ++r) {
     const float* sums = &xq.sums[(row + r) * groups];
     for (int c = 0; c < C; ++c) {
-      const float* mins = w.mins + (n + c) * groups;
-      y[(row + r) * N + n + c] = round_to_bf16(sum_lanes(acc[r][c]) + dot(mins, sums, groups));
+      const float offset = F::kHasMins ? dot(w.mins + (n + c) * groups, sums, groups) : 0.f;
+      y[(row + r) * N + n + c] = round_to_bf16(sum_lanes(acc[r][c]) + offset);
     }
   }
 }
 
 using TileFn = void (*)(const QuantizedRows&, int64_t, const Weight&, float*, int64_t, int64_t);
-constexpr TileFn kFewRows[4] = {nullptr, tile<1, 2>, tile<2, 2>, tile<3, 2>};
-constexpr TileFn kFewRowsOneColumn[4] = {nullptr, tile<1, 1>, tile<2, 1>, tile<3, 1>};
-// Columns a thread takes at a time: their codes (16 x K / 2 bytes) and four rows of quantized
+// Columns a thread takes at a time: their codes (16 x K / 2 bytes for Q4) and four rows of quantized
 // activations (4 x 2K bytes) stay in L1 while the block's tiles sweep them.
 constexpr int64_t kColumnBlock = 16;
 
 // y[:, n .. n + columns) for one block of columns: four rows by two columns where there are four
 // rows, then the last rows.
+template <typename F>
 void column_block(const QuantizedRows& xq, int64_t M, const Weight& w, float* y, int64_t N, int64_t n,
                   int64_t columns) {
+  constexpr TileFn few_rows[4] = {nullptr, tile<F, 1, 2>, tile<F, 2, 2>, tile<F, 3, 2>};
+  constexpr TileFn few_rows_one_column[4] = {nullptr, tile<F, 1, 1>, tile<F, 2, 1>, tile<F, 3, 1>};
   int64_t row = 0;
   for (; row + 4 <= M; row += 4) {
     int64_t c = 0;
-    for (; c + 2 <= columns; c += 2) tile<4, 2>(xq, row, w, y, N, n + c);
-    if (c < columns) tile<4, 1>(xq, row, w, y, N, n + c);
+    for (; c + 2 <= columns; c += 2) tile<F, 4, 2>(xq, row, w, y, N, n + c);
+    if (c < columns) tile<F, 4, 1>(xq, row, w, y, N, n + c);
   }
   if (row == M) return;
   int64_t c = 0;
-  for (; c + 2 <= columns; c += 2) kFewRows[M - row](xq, row, w, y, N, n + c);
-  if (c < columns) kFewRowsOneColumn[M - row](xq, row, w, y, N, n + c);
+  for (; c + 2 <= columns; c += 2) few_rows[M - row](xq, row, w, y, N, n + c);
+  if (c < columns) few_rows_one_column[M - row](xq, row, w, y, N, n + c);
+}
+
+// y = x W^T over column blocks split between threads; the activations are quantized once, first.
+template <typename F>
+at::Tensor gemm(const at::Tensor& x, const Weight& w, int64_t N) {
+  const int64_t M = x.size(0), K = x.size(1);
+  const at::Tensor xc = x.contiguous();
+  const QuantizedRows xq = quantize_rows(xc.data_ptr<float>(), M, K);
+  at::Tensor y = at::empty({M, N}, x.options());
+  float* yp = y.data_ptr<float>();
+  const int64_t blocks = (N + kColumnBlock - 1) / kColumnBlock;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n = b * kColumnBlock;
+      column_block<F>(xq, M, w, yp, N, n, std::min(kColumnBlock, N - n));
+    }
+  });
+  return y;
+}
+
+void check_scales(const at::Tensor& t, const char* name, int64_t N, int64_t K) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == N * (K / kGroup), name,
+              " must be contiguous float32 [N, K / 32]");
 }
 
 }  // namespace
@@ -174,25 +215,22 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be a 2-D float32 tensor");
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
               "codes must be a contiguous [N, K / 2] uint8 tensor");
-  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  const int64_t K = x.size(1), N = codes.size(0);
   TORCH_CHECK(K % kGroup == 0 && codes.size(1) * 2 == K, "codes must be [N, K / 2] with K a multiple of 32");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && mins.scalar_type() == at::kFloat && scales.is_contiguous() &&
-                  mins.is_contiguous() && scales.numel() == N * (K / kGroup) && mins.numel() == N * (K / kGroup),
-              "scales and mins must be contiguous float32 [N, K / 32]");
-  // Activations quantized once, before the columns are split between threads.
-  const at::Tensor xc = x.contiguous();
-  const QuantizedRows xq = quantize_rows(xc.data_ptr<float>(), M, K);
-  at::Tensor y = at::empty({M, N}, x.options());
-  const Weight w{codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), mins.data_ptr<float>(), K};
-  float* yp = y.data_ptr<float>();
-  const int64_t blocks = (N + kColumnBlock - 1) / kColumnBlock;
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t n = b * kColumnBlock;
-      column_block(xq, M, w, yp, N, n, std::min(kColumnBlock, N - n));
-    }
-  });
-  return y;
+  check_scales(scales, "scales", N, K);
+  check_scales(mins, "mins", N, K);
+  return gemm<Q4>(x, Weight{codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), mins.data_ptr<float>(), K}, N);
+}
+
+at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be a 2-D float32 tensor");
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous(),
+              "codes must be a contiguous [N, K] int8 tensor");
+  const int64_t K = x.size(1), N = codes.size(0);
+  TORCH_CHECK(K % kGroup == 0 && codes.size(1) == K, "codes must be [N, K] with K a multiple of 32");
+  check_scales(scales, "scales", N, K);
+  return gemm<Q8>(x, Weight{reinterpret_cast<const uint8_t*>(codes.data_ptr<int8_t>()), scales.data_ptr<float>(),
+                            nullptr, K}, N);
 }
 
 }  // namespace stepahead_cpu
