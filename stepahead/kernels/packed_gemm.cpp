@@ -21,8 +21,8 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
-#include <immintrin.h>
 #include <ATen/core/Tensor.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>

@@ -8,8 +8,8 @@
 // other rows or the thread that runs it, so a token's attention is bitwise the same in any batch.
 
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <ATen/core/Tensor.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>

@@ -8,8 +8,8 @@
 // x * cos + rotate_half(x) * sin in torch.
 
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <ATen/core/Tensor.h>
+#include <immintrin.h>
 
 #include <cstdint>
 
