@@ -170,6 +170,7 @@ constexpr int64_t kColumnBlock = 16;
 template <typename F>
 void column_block(const QuantizedRows& xq, int64_t M, const Weight& w, float* y, int64_t N, int64_t n,
                   int64_t columns) {
+  constexpr TileFn few_rows_four_columns[4] = {nullptr, tile<F, 1, 4>, tile<F, 2, 4>, tile<F, 3, 4>};
   constexpr TileFn few_rows[4] = {nullptr, tile<F, 1, 2>, tile<F, 2, 2>, tile<F, 3, 2>};
   constexpr TileFn few_rows_one_column[4] = {nullptr, tile<F, 1, 1>, tile<F, 2, 1>, tile<F, 3, 1>};
   int64_t row = 0;
@@ -180,6 +181,7 @@ void column_block(const QuantizedRows& xq, int64_t M, const Weight& w, float* y,
   }
   if (row == M) return;
   int64_t c = 0;
+  for (; c + 4 <= columns; c += 4) few_rows_four_columns[M - row](xq, row, w, y, N, n + c);
   for (; c + 2 <= columns; c += 2) few_rows[M - row](xq, row, w, y, N, n + c);
   if (c < columns) few_rows_one_column[M - row](xq, row, w, y, N, n + c);
 }
