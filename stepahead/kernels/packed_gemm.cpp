@@ -8,7 +8,8 @@
 // [N, K] int8, w = q * scale. Each row of x is quantized per group of 32 to int16 codes qx with one
 // scale dx = max|x| / 32767, so a group's product is
 //     sum(w * x) = scale * dx * sum(q * qx) + min * dx * sum(qx)
-// where sum(q * qx) is exact in int32 (vpmaddwd) and in float (each lane's sum stays under 2^24). Activations are rounded to bfloat16 values before they are quantized (see quantize_rows), and
+// where sum(q * qx) is exact in int32 (vpmaddwd) and in float (each lane's sum stays under 2^24).
+// Activations are rounded to bfloat16 values before they are quantized (see quantize_rows), and
 // 15-bit codes keep that precision (8-bit ones, as llama.cpp's, tripled the built-in model's logit
 // error against fp32). Outputs are rounded to bfloat16 values, as torch's weight-only kernels round
 // theirs.
@@ -16,7 +17,8 @@
 // A row's result does not depend on its batch: its quantization uses its own values only, the integer
 // sums are exact, and the float accumulation over groups always runs in the same order, whatever the
 // number of rows and wherever the row sits. Rows are taken four at a time so the unpacked codes of a
-// group are reused from registers, and a thread works through a block of columns whose codes and four
+// group are reused from registers (the last one to three rows four columns at a time, so a one-row call
+// keeps enough loads in flight), and a thread works through a block of columns whose codes and four
 // rows of activations stay in L1.
 
 #include <ATen/Parallel.h>
