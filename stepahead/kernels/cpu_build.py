@@ -9,6 +9,7 @@ STEPAHEAD_DISABLE_CPU_KERNELS=1 does the same on purpose (A/B runs, debugging)."
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import shutil
@@ -21,6 +22,7 @@ logger = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(name)
            for name in ("bindings.cpp", "packed_gemm.cpp", "rms_norm.cpp", "rope.cpp", "paged_decode.cpp",
                          "decode_stack.cpp")]
+HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 # -fopenmp: at::parallel_for is inlined into the kernels; -ffp-contract=off: a multiply and an add stay
 # two roundings unless a kernel asks for a fused multiply-add (rope.cpp matches torch's arithmetic so).
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off"]
@@ -44,11 +46,21 @@ def _module():
         from torch.utils import cpp_extension
 
         _put_ninja_on_path()
-        return cpp_extension.load(name="stepahead_cpu_kernels", sources=[str(s) for s in SOURCES],
+        return cpp_extension.load(name=extension_name(), sources=[str(s) for s in SOURCES],
                                   extra_cflags=FLAGS, verbose=False)
     except Exception as exc:  # no compiler, no ninja, no headers: torch's operators still work
         logger.warning("stepahead's CPU kernels not built (%s: %s); using torch's operators", type(exc).__name__, exc)
         return None
+
+
+def extension_name() -> str:
+    """The module's name, with a digest of every source and header: torch's builder rebuilds on a change
+    of the sources it compiles but not of the headers they include, and two checkouts with different
+    kernels must not take turns overwriting one cached build."""
+    digest = hashlib.sha256()
+    for path in SOURCES + HEADERS:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return f"stepahead_cpu_kernels_{digest.hexdigest()[:12]}"
 
 
 def machine_can_build() -> bool:

@@ -2,73 +2,181 @@
 //
 // On the packed path a decode step of one row spent about half its time in Python: the layers'
 // module calls and the dispatch of some twenty operators per layer, each a few microseconds, thirty
-// layers deep. This runs the same operators in the same order from C++: torch's add, silu and mul,
-// index_copy_ for the KV write, and the kernels the Python layers call (rms_norm with torch's
-// arithmetic, or torch's own where that is not available; int4 GEMM, rope, decode attention). The
-// arithmetic is the Python path's, so its outputs are bitwise the same (tested), and a row's result
-// still depends on the row alone.
+// layers deep. This runs the same arithmetic in the same order from C++: the kernels the Python
+// layers call (rms_norm with torch's arithmetic, or torch's own where that is not available; int4
+// GEMM, rope, decode attention), torch's silu and mul, and the residual adds and K/V writes, which are
+// single float additions and copies. Its outputs are bitwise the Python path's (tested), and a row's
+// result still depends on the row alone.
+//
+// The whole step is one parallel region (team.h) through its ~300 phases (a norm, a projection's
+// column blocks, the attention tasks, ...), instead of a region per phase, whose thread wake-ups cost a
+// one-token step a quarter of its time.
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <exception>
 #include <utility>
 #include <vector>
 
 #include "decode_stack.h"
 #include "ops.h"
+#include "paged_decode.h"
+#include "row_ops.h"
+#include "team.h"
 
 namespace stepahead_cpu {
 
 namespace {
 
-// One packed projection: y = x W^T (+ bias), as the packed linear module computes it.
-at::Tensor project(const at::Tensor& x, const Int4Weight& w) {
-  at::Tensor y = int4_gemm(x, w.codes, w.scales, w.mins);
-  return w.bias.defined() ? y + w.bias : y;
-}
-
-Int4Weight int4_weight(const std::vector<at::Tensor>& t, size_t first) {
-  return Int4Weight{t[first], t[first + 1], t[first + 2], t[first + 3].numel() ? t[first + 3] : at::Tensor()};
+Int4Weight int4_weight(const std::vector<at::Tensor>& t, size_t first, int64_t N, int64_t K, const char* name) {
+  const at::Tensor &codes = t[first], &scales = t[first + 1], &mins = t[first + 2];
+  const at::Tensor bias = t[first + 3].numel() ? t[first + 3] : at::Tensor();
+  TORCH_CHECK(K % kGroup == 0 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
+                  codes.sizes() == at::IntArrayRef({N, K / 2}),
+              name, ": codes must be a contiguous uint8 [", N, ", ", K / 2, "] tensor");
+  for (const at::Tensor* g : {&scales, &mins})
+    TORCH_CHECK(g->scalar_type() == at::kFloat && g->is_contiguous() && g->numel() == N * (K / kGroup), name,
+                ": scales and mins must be contiguous float32 [N, K / 32]");
+  TORCH_CHECK(!bias.defined() || (bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.numel() == N),
+              name, ": the bias must be a contiguous float32 [N] tensor");
+  const PackedWeight view{PackedWeight::Format::kQ4, codes.data_ptr<uint8_t>(), scales.data_ptr<float>(),
+                          mins.data_ptr<float>(), bias.defined() ? bias.data_ptr<float>() : nullptr, N, K};
+  return Int4Weight{codes, scales, mins, bias, view};
 }
 
 }  // namespace
 
 DecodeStack::DecodeStack(const std::vector<std::vector<at::Tensor>>& layers, int64_t heads, int64_t kv_heads,
                          int64_t head_dim, double eps, double scale, bool exact_norm)
-    : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale), exact_norm_(exact_norm) {
+    : hidden_(0), inter_(0), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
+      exact_norm_(exact_norm) {
+  const int64_t q_dim = heads * head_dim, qkv_dim = (heads + 2 * kv_heads) * head_dim;
   for (const auto& t : layers) {
     TORCH_CHECK(t.size() == kTensorsPerLayer, "a layer takes ", kTensorsPerLayer, " tensors, got ", t.size());
-    layers_.push_back(Layer{t[0], t[1], int4_weight(t, 2), int4_weight(t, 6), int4_weight(t, 10), int4_weight(t, 14)});
+    if (layers_.empty()) hidden_ = t[0].numel(), inter_ = t[14].size(1) * 2;  // down's codes: [hidden, inter / 2]
+    for (const at::Tensor* norm : {&t[0], &t[1]})
+      TORCH_CHECK(norm->scalar_type() == at::kFloat && norm->is_contiguous() && norm->numel() == hidden_,
+                  "the norm weights must be contiguous float32 [hidden] tensors");
+    layers_.push_back(Layer{t[0], t[1], int4_weight(t, 2, qkv_dim, hidden_, "q/k/v"),
+                            int4_weight(t, 6, hidden_, q_dim, "o"), int4_weight(t, 10, 2 * inter_, hidden_, "gate/up"),
+                            int4_weight(t, 14, hidden_, inter_, "down")});
   }
 }
 
-at::Tensor DecodeStack::norm(const at::Tensor& h, const at::Tensor& weight) const {
-  return exact_norm_ ? rms_norm(h, weight, eps_) : at::rms_norm(h, {h.size(1)}, weight, eps_);
-}
-
-at::Tensor DecodeStack::forward(at::Tensor h, const at::Tensor& cos_sin, const std::vector<at::Tensor>& k_caches,
-                                const std::vector<at::Tensor>& v_caches, const at::Tensor& block_table,
-                                const at::Tensor& seq_lens, const at::Tensor& slot_mapping) const {
+void DecodeStack::check(const at::Tensor& h, const at::Tensor& cos_sin, const std::vector<at::Tensor>& k_caches,
+                        const std::vector<at::Tensor>& v_caches, const at::Tensor& slot_mapping) const {
+  TORCH_CHECK(h.dim() == 2 && h.size(1) == hidden_ && h.scalar_type() == at::kFloat,
+              "h must be a float32 [rows, hidden] tensor");
+  const int64_t rows = h.size(0);
+  TORCH_CHECK(cos_sin.scalar_type() == at::kFloat && cos_sin.is_contiguous() &&
+                  cos_sin.sizes() == at::IntArrayRef({rows, 2, head_dim_}),
+              "cos_sin must be a contiguous float32 [rows, 2, head_dim] tensor");
   TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(),
               "one K and one V cache per layer");
-  const int64_t rows = h.size(0), inter = layers_[0].down.codes.size(1) * 2;
-  for (size_t i = 0; i < layers_.size(); ++i) {
-    const Layer& layer = layers_[i];
-    // attention: norm, fused q/k/v projection, rope on q and k, the new K/V written, paged attention
-    at::Tensor x = norm(h, layer.input_norm);
-    at::Tensor qkv = project(x, layer.qkv).view({rows, heads_ + 2 * kv_heads_, head_dim_});
-    at::Tensor qk = qkv.narrow(1, 0, heads_ + kv_heads_);
-    rotary_embedding(qk, cos_sin);
-    at::Tensor k = qkv.narrow(1, heads_, kv_heads_), v = qkv.narrow(1, heads_ + kv_heads_, kv_heads_);
-    k_caches[i].view({kv_heads_, -1, head_dim_}).index_copy_(1, slot_mapping, k.transpose(0, 1));
-    v_caches[i].view({kv_heads_, -1, head_dim_}).index_copy_(1, slot_mapping, v.transpose(0, 1));
-    at::Tensor out = at::empty({rows, heads_, head_dim_}, h.options());
-    paged_decode_attention(qkv.narrow(1, 0, heads_), k_caches[i], v_caches[i], block_table, seq_lens, scale_, out);
-    h = h + project(out.view({rows, heads_ * head_dim_}), layer.o);
-    // MLP: norm, fused gate/up projection, silu(gate) * up, down projection
-    at::Tensor gate_up = project(norm(h, layer.post_norm), layer.gate_up);
-    at::Tensor act = at::silu(gate_up.narrow(1, 0, inter)) * gate_up.narrow(1, inter, inter);
-    h = h + project(act, layer.down);
-  }
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                  slot_mapping.numel() == rows,
+              "slot_mapping must be a contiguous int64 [rows] tensor");
+  const int64_t slots = k_caches.empty() ? 0 : k_caches[0].size(1) * k_caches[0].size(2);
+  for (const auto* caches : {&k_caches, &v_caches})
+    for (const at::Tensor& c : *caches)
+      TORCH_CHECK(c.sizes() == k_caches[0].sizes() && c.size(0) == kv_heads_ && c.size(3) == head_dim_,
+                  "every cache must be [kv_heads, blocks, block_size, head_dim] like the first");
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r)
+    TORCH_CHECK(slot[r] >= 0 && slot[r] < slots, "slot ", slot[r], " of row ", r, " is outside the cache");
+}
+
+at::Tensor DecodeStack::forward(at::Tensor h_in, const at::Tensor& cos_sin, const std::vector<at::Tensor>& k_caches,
+                                const std::vector<at::Tensor>& v_caches, const at::Tensor& block_table,
+                                const at::Tensor& seq_lens, const at::Tensor& slot_mapping) const {
+  check(h_in, cos_sin, k_caches, v_caches, slot_mapping);
+  at::Tensor h = h_in.clone(at::MemoryFormat::Contiguous);  // the residual stream, updated in place
+  const int64_t rows = h.size(0), hd = head_dim_, q_dim = heads_ * hd, qkv_dim = (heads_ + 2 * kv_heads_) * hd;
+  if (rows == 0 || layers_.empty()) return h;
+  const at::TensorOptions f32 = h.options();
+  at::Tensor normed = at::empty({rows, hidden_}, f32), qkv = at::empty({rows, qkv_dim}, f32);
+  at::Tensor attended = at::empty({rows, heads_, hd}, f32), gate_up = at::empty({rows, 2 * inter_}, f32);
+  at::Tensor act = at::empty({rows, inter_}, f32);
+  std::vector<PagedDecode> attention;  // each checks its operands here, outside the parallel region
+  const at::Tensor q = qkv.view({rows, heads_ + 2 * kv_heads_, hd}).narrow(1, 0, heads_);
+  for (size_t i = 0; i < layers_.size(); ++i)
+    attention.emplace_back(q, k_caches[i], v_caches[i], block_table, seq_lens, scale_, attended);
+
+  // the activations a projection reads, quantized (packed_gemm.h)
+  const int64_t widest = std::max({hidden_, q_dim, inter_});
+  std::vector<int16_t> codes(rows * widest);
+  std::vector<float> x_scales(rows * widest / kGroup), x_sums(rows * widest / kGroup);
+  const QuantizedRows xq{codes.data(), x_scales.data(), x_sums.data(), widest};
+
+  float *hp = h.data_ptr<float>(), *np = normed.data_ptr<float>(), *qkvp = qkv.data_ptr<float>();
+  float *ap = attended.data_ptr<float>(), *gp = gate_up.data_ptr<float>(), *actp = act.data_ptr<float>();
+  const float* csp = cos_sin.data_ptr<float>();
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  const int64_t slots = k_caches[0].size(1) * k_caches[0].size(2);
+  const float eps = static_cast<float>(eps_);
+  std::exception_ptr error;  // from the leader's torch operators, rethrown after the region
+
+  run_in_team(at::get_num_threads(), [&](Team::Member& me) {
+    std::vector<float> scratch;  // this thread's attention buffers
+    const auto leader_runs = [&](auto&& torch_ops) {
+      me.leader_runs([&] {
+        if (error) return;
+        try {
+          torch_ops();
+        } catch (...) {
+          error = std::current_exception();
+        }
+      });
+    };
+    const auto quantize = [&](const float* x, int64_t K) {
+      me.share(rows, 1, [&](int64_t r) { quantize_row(x + r * K, K, xq, r); });
+    };
+    const auto normalize = [&](const at::Tensor& weight) {  // normed = rms_norm(h), then quantized
+      if (!exact_norm_) {
+        leader_runs([&] { normed.copy_(at::rms_norm(h, {hidden_}, weight, eps_)); });
+        quantize(np, hidden_);
+        return;
+      }
+      const float* w = weight.data_ptr<float>();
+      me.share(rows, 1, [&](int64_t r) {
+        rms_norm_row(hp + r * hidden_, w, np + r * hidden_, hidden_, eps);
+        quantize_row(np + r * hidden_, hidden_, xq, r);
+      });
+    };
+    const auto project = [&](const PackedWeight& w, float* y, bool accumulate) {
+      const int64_t blocks = column_blocks(w);
+      const Output out{y, accumulate};
+      me.share(blocks, claim_size(blocks, me.members()), [&](int64_t b) { column_block(w, xq, rows, b, out); });
+    };
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& layer = layers_[i];
+      // attention: norm, fused q/k/v projection, rope on q and k, the new K/V written, paged attention
+      normalize(layer.input_norm);
+      project(layer.qkv.view, qkvp, false);
+      float *k_cache = k_caches[i].data_ptr<float>(), *v_cache = v_caches[i].data_ptr<float>();
+      me.share(rows, 1, [&](int64_t r) {
+        float* row = qkvp + r * qkv_dim;
+        rope_token(row, heads_ + kv_heads_, hd, csp + r * 2 * hd, hd);
+        for (int64_t g = 0; g < kv_heads_; ++g) {
+          std::copy_n(row + (heads_ + g) * hd, hd, k_cache + (g * slots + slot[r]) * hd);
+          std::copy_n(row + (heads_ + kv_heads_ + g) * hd, hd, v_cache + (g * slots + slot[r]) * hd);
+        }
+      });
+      const PagedDecode& attend = attention[i];
+      me.share(attend.tasks(), 1, [&](int64_t task) { attend.run(task, scratch); });
+      quantize(ap, q_dim);
+      project(layer.o.view, hp, true);
+      // MLP: norm, fused gate/up projection, silu(gate) * up, down projection
+      normalize(layer.post_norm);
+      project(layer.gate_up.view, gp, false);
+      leader_runs([&] { at::mul_out(act, at::silu(gate_up.narrow(1, 0, inter_)), gate_up.narrow(1, inter_, inter_)); });
+      quantize(actp, inter_);
+      project(layer.down.view, hp, true);
+    }
+  });
+  if (error) std::rethrow_exception(error);
   return h;
 }
 

@@ -5,11 +5,15 @@
 
 #include <vector>
 
+#include "packed_gemm.h"
+
 namespace stepahead_cpu {
 
+// A packed projection's tensors and the kernel's view of them.
 struct Int4Weight {
   at::Tensor codes, scales, mins;  // int4_gemm's operands
   at::Tensor bias;                 // undefined: none
+  PackedWeight view;
 };
 
 class DecodeStack {
@@ -35,12 +39,14 @@ class DecodeStack {
     at::Tensor input_norm, post_norm;
     Int4Weight qkv, o, gate_up, down;
   };
+  struct Workspace;
   std::vector<Layer> layers_;
-  int64_t heads_, kv_heads_, head_dim_;
+  int64_t hidden_, inter_, heads_, kv_heads_, head_dim_;
   double eps_, scale_;
   bool exact_norm_;
 
-  at::Tensor norm(const at::Tensor& h, const at::Tensor& weight) const;
+  void check(const at::Tensor& h, const at::Tensor& cos_sin, const std::vector<at::Tensor>& k_caches,
+             const std::vector<at::Tensor>& v_caches, const at::Tensor& slot_mapping) const;
 };
 
 }  // namespace stepahead_cpu

@@ -9,17 +9,17 @@
 // scale dx = max|x| / 32767, so a group's product is
 //     sum(w * x) = scale * dx * sum(q * qx) + min * dx * sum(qx)
 // where sum(q * qx) is exact in int32 (vpmaddwd) and in float (each lane's sum stays under 2^24).
-// Activations are rounded to bfloat16 values before they are quantized (see quantize_rows), and
+// Activations are rounded to bfloat16 values before they are quantized (see quantize_row), and
 // 15-bit codes keep that precision (8-bit ones, as llama.cpp's, tripled the built-in model's logit
 // error against fp32). Outputs are rounded to bfloat16 values, as torch's weight-only kernels round
 // theirs.
 //
 // A row's result does not depend on its batch: its quantization uses its own values only, the integer
 // sums are exact, and the float accumulation over groups always runs in the same order, whatever the
-// number of rows and wherever the row sits. Rows are taken four at a time so the unpacked codes of a
-// group are reused from registers (the last one to three rows four columns at a time, so a one-row call
-// keeps enough loads in flight), and a thread works through a block of columns whose codes and four
-// rows of activations stay in L1.
+// number of rows and wherever the row sits, and whichever thread computes it. Rows are taken four at a
+// time so the unpacked codes of a group are reused from registers (the last one to three rows four
+// columns at a time, so a one-row call keeps enough loads in flight), and a work item is a block of
+// columns whose codes and four rows of activations stay in L1.
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -33,14 +33,13 @@
 #include <vector>
 
 #include "ops.h"
+#include "packed_gemm.h"
 #include "simd.h"
+#include "team.h"
+
+namespace stepahead_cpu {
 
 namespace {
-
-using stepahead_cpu::dot;
-using stepahead_cpu::sum_lanes;
-
-constexpr int64_t kGroup = 32;
 
 inline float round_to_bf16(float v) {
   uint32_t bits;
@@ -53,46 +52,6 @@ inline float round_to_bf16(float v) {
 }
 
 constexpr float kCodeMax = 32767.f;
-
-// The activations of M rows, quantized per group of 32: codes, scales dx, and dx * sum(codes). Each
-// value is rounded to bfloat16 first, as torch's kernels round theirs: a last-bit difference in an
-// activation (attention computed over another chunking of the same prompt, say) then almost never
-// reaches the codes, which 16-bit codes of the float32 value would pass on about once in 500 values.
-struct QuantizedRows {
-  std::vector<int16_t> codes;  // [M, K]
-  std::vector<float> scales;  // [M, K / 32]
-  std::vector<float> sums;    // [M, K / 32]
-};
-
-QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
-  const int64_t groups = K / kGroup;
-  QuantizedRows q{std::vector<int16_t>(M * K), std::vector<float>(M * groups), std::vector<float>(M * groups)};
-  for (int64_t i = 0; i < M * groups; ++i) {
-    float xg[kGroup];
-    for (int64_t j = 0; j < kGroup; ++j) xg[j] = round_to_bf16(x[i * kGroup + j]);
-    float amax = 0.f;
-    bool finite = true;
-    for (int64_t j = 0; j < kGroup; ++j) {
-      amax = std::max(amax, std::fabs(xg[j]));
-      finite = finite && std::isfinite(xg[j]);
-    }
-    if (!finite) {  // codes 0 and a NaN scale: the row's outputs come out NaN, never finite garbage
-      std::fill_n(&q.codes[i * kGroup], kGroup, int16_t{0});
-      q.scales[i] = q.sums[i] = std::nanf("");
-      continue;
-    }
-    const float d = amax / kCodeMax, inv = amax > 0.f ? kCodeMax / amax : 0.f;
-    int32_t total = 0;
-    for (int64_t j = 0; j < kGroup; ++j) {
-      const int32_t v = static_cast<int32_t>(std::nearbyint(xg[j] * inv));
-      q.codes[i * kGroup + j] = static_cast<int16_t>(v);
-      total += v;
-    }
-    q.scales[i] = d;
-    q.sums[i] = d * static_cast<float>(total);
-  }
-  return q;
-}
 
 // The weight formats, each a group of 32 codes unpacked as two vectors of 16 int16 (elements 0..15
 // and 16..31). Q4: 16 bytes of nibbles (element j low, j + 16 high), w = q * scale + min. Q8 (GGUF's
@@ -125,17 +84,10 @@ inline __m256 group_dot(__m256i w_lo, __m256i w_hi, const int16_t* qx) {
   return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(w_lo, x_lo), _mm256_madd_epi16(w_hi, x_hi)));
 }
 
-struct Weight {
-  const uint8_t* codes;
-  const float* scales;
-  const float* mins;
-  int64_t K;
-};
-
 // y[row .. row + R) x [n .. n + C).
 template <typename F, int R, int C>
-void tile(const QuantizedRows& xq, int64_t row, const Weight& w, float* y, int64_t N, int64_t n) {
-  const int64_t K = w.K, groups = K / kGroup;
+void tile(const QuantizedRows& xq, int64_t row, const PackedWeight& w, const Output& out, int64_t n) {
+  const int64_t K = w.K, groups = K / kGroup, x_groups = xq.row_stride / kGroup;
   __m256 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
@@ -147,61 +99,61 @@ void tile(const QuantizedRows& xq, int64_t row, const Weight& w, float* y, int64
       wscale[c] = _mm256_set1_ps(w.scales[(n + c) * groups + g]);
     }
     for (int r = 0; r < R; ++r) {
-      const int16_t* qx = &xq.codes[(row + r) * K + g * kGroup];
-      const __m256 dx = _mm256_set1_ps(xq.scales[(row + r) * groups + g]);
+      const int16_t* qx = xq.codes + (row + r) * xq.row_stride + g * kGroup;
+      const __m256 dx = _mm256_set1_ps(xq.scales[(row + r) * x_groups + g]);
       for (int c = 0; c < C; ++c)
         acc[r][c] = _mm256_fmadd_ps(group_dot(w_lo[c], w_hi[c], qx), _mm256_mul_ps(wscale[c], dx), acc[r][c]);
     }
   }
   for (int r = 0; r < R; ++r) {
-    const float* sums = &xq.sums[(row + r) * groups];
+    const float* sums = xq.sums + (row + r) * x_groups;
     for (int c = 0; c < C; ++c) {
       const float offset = F::kHasMins ? dot(w.mins + (n + c) * groups, sums, groups) : 0.f;
-      y[(row + r) * N + n + c] = round_to_bf16(sum_lanes(acc[r][c]) + offset);
+      float v = round_to_bf16(sum_lanes(acc[r][c]) + offset);
+      if (w.bias != nullptr) v = v + w.bias[n + c];
+      float& y = out.y[(row + r) * w.N + n + c];
+      y = out.accumulate ? y + v : v;
     }
   }
 }
 
-using TileFn = void (*)(const QuantizedRows&, int64_t, const Weight&, float*, int64_t, int64_t);
-// Columns a thread takes at a time: their codes (16 x K / 2 bytes for Q4) and four rows of quantized
-// activations (4 x 2K bytes) stay in L1 while the block's tiles sweep them.
-constexpr int64_t kColumnBlock = 16;
+using TileFn = void (*)(const QuantizedRows&, int64_t, const PackedWeight&, const Output&, int64_t);
 
 // y[:, n .. n + columns) for one block of columns: four rows by two columns where there are four
 // rows, then the last rows.
 template <typename F>
-void column_block(const QuantizedRows& xq, int64_t M, const Weight& w, float* y, int64_t N, int64_t n,
-                  int64_t columns) {
+void block_of(const PackedWeight& w, const QuantizedRows& xq, int64_t M, int64_t n, int64_t columns,
+              const Output& out) {
   constexpr TileFn few_rows_four_columns[4] = {nullptr, tile<F, 1, 4>, tile<F, 2, 4>, tile<F, 3, 4>};
   constexpr TileFn few_rows[4] = {nullptr, tile<F, 1, 2>, tile<F, 2, 2>, tile<F, 3, 2>};
   constexpr TileFn few_rows_one_column[4] = {nullptr, tile<F, 1, 1>, tile<F, 2, 1>, tile<F, 3, 1>};
   int64_t row = 0;
   for (; row + 4 <= M; row += 4) {
     int64_t c = 0;
-    for (; c + 2 <= columns; c += 2) tile<F, 4, 2>(xq, row, w, y, N, n + c);
-    if (c < columns) tile<F, 4, 1>(xq, row, w, y, N, n + c);
+    for (; c + 2 <= columns; c += 2) tile<F, 4, 2>(xq, row, w, out, n + c);
+    if (c < columns) tile<F, 4, 1>(xq, row, w, out, n + c);
   }
   if (row == M) return;
   int64_t c = 0;
-  for (; c + 4 <= columns; c += 4) few_rows_four_columns[M - row](xq, row, w, y, N, n + c);
-  for (; c + 2 <= columns; c += 2) few_rows[M - row](xq, row, w, y, N, n + c);
-  if (c < columns) few_rows_one_column[M - row](xq, row, w, y, N, n + c);
+  for (; c + 4 <= columns; c += 4) few_rows_four_columns[M - row](xq, row, w, out, n + c);
+  for (; c + 2 <= columns; c += 2) few_rows[M - row](xq, row, w, out, n + c);
+  if (c < columns) few_rows_one_column[M - row](xq, row, w, out, n + c);
 }
 
-// y = x W^T over column blocks split between threads; the activations are quantized once, first.
-template <typename F>
-at::Tensor gemm(const at::Tensor& x, const Weight& w, int64_t N) {
+// y = x W^T: the rows quantized, then the column blocks, shared by the threads of one region.
+at::Tensor gemm(const at::Tensor& x, const PackedWeight& w) {
   const int64_t M = x.size(0), K = x.size(1);
   const at::Tensor xc = x.contiguous();
-  const QuantizedRows xq = quantize_rows(xc.data_ptr<float>(), M, K);
-  at::Tensor y = at::empty({M, N}, x.options());
-  float* yp = y.data_ptr<float>();
-  const int64_t blocks = (N + kColumnBlock - 1) / kColumnBlock;
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t n = b * kColumnBlock;
-      column_block<F>(xq, M, w, yp, N, n, std::min(kColumnBlock, N - n));
-    }
+  const float* xp = xc.data_ptr<float>();
+  std::vector<int16_t> codes(M * K);
+  std::vector<float> scales(M * K / kGroup), sums(M * K / kGroup);
+  const QuantizedRows xq{codes.data(), scales.data(), sums.data(), K};
+  at::Tensor y = at::empty({M, w.N}, x.options());
+  const Output out{y.data_ptr<float>(), false};
+  const int64_t blocks = column_blocks(w);
+  run_in_team(at::get_num_threads(), [&](Team::Member& me) {
+    me.share(M, 1, [&](int64_t r) { quantize_row(xp + r * K, K, xq, r); });
+    me.share(blocks, claim_size(blocks, me.members()), [&](int64_t b) { column_block(w, xq, M, b, out); });
   });
   return y;
 }
@@ -213,7 +165,50 @@ void check_scales(const at::Tensor& t, const char* name, int64_t N, int64_t K) {
 
 }  // namespace
 
-namespace stepahead_cpu {
+// Each value is rounded to bfloat16 first, as torch's kernels round theirs: a last-bit difference in an
+// activation (attention computed over another chunking of the same prompt, say) then almost never
+// reaches the codes, which 16-bit codes of the float32 value would pass on about once in 500 values.
+void quantize_row(const float* x, int64_t K, const QuantizedRows& q, int64_t row) {
+  const int64_t groups = K / kGroup;
+  int16_t* codes = q.codes + row * q.row_stride;
+  float* scales = q.scales + row * (q.row_stride / kGroup);
+  float* sums = q.sums + row * (q.row_stride / kGroup);
+  for (int64_t i = 0; i < groups; ++i) {
+    float xg[kGroup];
+    for (int64_t j = 0; j < kGroup; ++j) xg[j] = round_to_bf16(x[i * kGroup + j]);
+    float amax = 0.f;
+    bool finite = true;
+    for (int64_t j = 0; j < kGroup; ++j) {
+      amax = std::max(amax, std::fabs(xg[j]));
+      finite = finite && std::isfinite(xg[j]);
+    }
+    if (!finite) {  // codes 0 and a NaN scale: the row's outputs come out NaN, never finite garbage
+      std::fill_n(codes + i * kGroup, kGroup, int16_t{0});
+      scales[i] = sums[i] = std::nanf("");
+      continue;
+    }
+    const float d = amax / kCodeMax, inv = amax > 0.f ? kCodeMax / amax : 0.f;
+    int32_t total = 0;
+    for (int64_t j = 0; j < kGroup; ++j) {
+      const int32_t v = static_cast<int32_t>(std::nearbyint(xg[j] * inv));
+      codes[i * kGroup + j] = static_cast<int16_t>(v);
+      total += v;
+    }
+    scales[i] = d;
+    sums[i] = d * static_cast<float>(total);
+  }
+}
+
+int64_t column_blocks(const PackedWeight& w) { return (w.N + kColumnBlock - 1) / kColumnBlock; }
+
+void column_block(const PackedWeight& w, const QuantizedRows& x, int64_t M, int64_t block, const Output& out) {
+  const int64_t n = block * kColumnBlock, columns = std::min(kColumnBlock, w.N - n);
+  if (w.format == PackedWeight::Format::kQ4) {
+    block_of<Q4>(w, x, M, n, columns, out);
+  } else {
+    block_of<Q8>(w, x, M, n, columns, out);
+  }
+}
 
 at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be a 2-D float32 tensor");
@@ -223,7 +218,8 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   TORCH_CHECK(K % kGroup == 0 && codes.size(1) * 2 == K, "codes must be [N, K / 2] with K a multiple of 32");
   check_scales(scales, "scales", N, K);
   check_scales(mins, "mins", N, K);
-  return gemm<Q4>(x, Weight{codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), mins.data_ptr<float>(), K}, N);
+  return gemm(x, PackedWeight{PackedWeight::Format::kQ4, codes.data_ptr<uint8_t>(), scales.data_ptr<float>(),
+                              mins.data_ptr<float>(), nullptr, N, K});
 }
 
 at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
@@ -233,8 +229,8 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   const int64_t K = x.size(1), N = codes.size(0);
   TORCH_CHECK(K % kGroup == 0 && codes.size(1) == K, "codes must be [N, K] with K a multiple of 32");
   check_scales(scales, "scales", N, K);
-  return gemm<Q8>(x, Weight{reinterpret_cast<const uint8_t*>(codes.data_ptr<int8_t>()), scales.data_ptr<float>(),
-                            nullptr, K}, N);
+  return gemm(x, PackedWeight{PackedWeight::Format::kQ8, reinterpret_cast<const uint8_t*>(codes.data_ptr<int8_t>()),
+                              scales.data_ptr<float>(), nullptr, nullptr, N, K});
 }
 
 }  // namespace stepahead_cpu

@@ -19,6 +19,7 @@
 #include <cstdint>
 
 #include "ops.h"
+#include "row_ops.h"
 
 namespace {
 
@@ -69,15 +70,15 @@ float sum_of_squares(const float* x, int64_t n) {
   return total;
 }
 
-void norm_row(const float* x, const float* w, float* y, int64_t n, float eps) {
+}  // namespace
+
+namespace stepahead_cpu {
+
+void rms_norm_row(const float* x, const float* w, float* y, int64_t n, float eps) {
   const float mean = sum_of_squares(x, n) / static_cast<float>(n);
   const float inv_rms = 1.f / std::sqrt(mean + eps);
   for (int64_t i = 0; i < n; ++i) y[i] = x[i] * inv_rms * w[i];
 }
-
-}  // namespace
-
-namespace stepahead_cpu {
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
@@ -91,7 +92,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   float* yp = y.data_ptr<float>();
   const float eps_f = static_cast<float>(eps);
   at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) norm_row(xp + r * dim, wp, yp + r * dim, dim, eps_f);
+    for (int64_t r = begin; r < end; ++r) rms_norm_row(xp + r * dim, wp, yp + r * dim, dim, eps_f);
   });
   return y;
 }

@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "ops.h"
+#include "row_ops.h"
 
 namespace {
 
@@ -41,6 +42,10 @@ void rotate(float* x, const float* cos, const float* sin, int64_t half) {
 
 namespace stepahead_cpu {
 
+void rope_token(float* x, int64_t heads, int64_t head_stride, const float* cos_sin, int64_t head_dim) {
+  for (int64_t h = 0; h < heads; ++h) rotate(x + h * head_stride, cos_sin, cos_sin + head_dim, head_dim / 2);
+}
+
 // x [tokens, heads, head_dim] (any token and head strides, unit stride within a head), rotated in
 // place; cos_sin [tokens, 2, head_dim] contiguous: each token's cos and sin rows.
 void rotary_embedding(at::Tensor& x, const at::Tensor& cos_sin) {
@@ -54,9 +59,7 @@ void rotary_embedding(at::Tensor& x, const at::Tensor& cos_sin) {
   const float* cs = cos_sin.data_ptr<float>();
   const int64_t token_stride = x.stride(0), head_stride = x.stride(1);
   at::parallel_for(0, tokens, kTokensPerTask, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t)
-      for (int64_t h = 0; h < heads; ++h)
-        rotate(xp + t * token_stride + h * head_stride, cs + t * 2 * hd, cs + t * 2 * hd + hd, hd / 2);
+    for (int64_t t = begin; t < end; ++t) rope_token(xp + t * token_stride, heads, head_stride, cs + t * 2 * hd, hd);
   });
 }
 

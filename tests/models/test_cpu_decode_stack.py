@@ -51,8 +51,19 @@ def _clone(cache: PagedKVCache) -> PagedKVCache:
     return copy
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: biased q/k/v projections
-def test_a_decode_step_in_one_call_is_the_layers_step_bitwise(tiny_model_factory, arch):
+@pytest.fixture
+def threads(request):
+    """torch's thread count for the test (DecodeStack runs its step on a team of that many threads)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+# qwen2: biased q/k/v projections; 3 threads on this 2-core machine: more threads than cores
+@pytest.mark.parametrize("arch,threads", [("llama", 2), ("qwen2", 2), ("llama", 1), ("llama", 3)],
+                         indirect=["threads"])
+def test_a_decode_step_in_one_call_is_the_layers_step_bitwise(tiny_model_factory, arch, threads):
     model = load_model(load_model_config(str(tiny_model_factory(arch)), "cpu", quantization="int4"), "cpu")
     assert model.cpu_kernels and model.decode_stack is not None
     # Three decode rows of 5, 17 and 70 cached tokens on scattered blocks.

@@ -86,6 +86,20 @@ def test_a_row_is_computed_the_same_at_any_position_in_any_batch():
         assert all(torch.equal(batch[i], alone[i][0]) for i in range(rows)), rows
 
 
+@pytest.mark.parametrize("threads", [1, 3])  # 3 on this 2-core machine: more threads than cores
+def test_the_result_does_not_depend_on_the_number_of_threads(threads):
+    """The column blocks go to whichever thread asks first (kernels/team.h): the same bits on any team."""
+    weight, x = _weight(1000, 576), torch.randn(7, 576)
+    default = cpu_packed.int4_gemm(x, *_args(weight))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for _ in range(3):
+            assert torch.equal(cpu_packed.int4_gemm(x, *_args(weight)), default)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_packed_linear_uses_the_kernel_and_its_weight_is_the_codes_weight():
     weight = _weight(48, 128)
     layer = Int4Linear(weight, bias=torch.randn(48))

@@ -1,0 +1,38 @@
+// Decode attention's tasks (paged_decode.cpp), for callers that hand them out themselves (DecodeStack).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace stepahead_cpu {
+
+// One decode step's attention over the paged cache: rows x KV heads tasks, each independent.
+class PagedDecode {
+ public:
+  // Checks the operands as paged_decode_attention takes them (ops.h); they must outlive the object.
+  PagedDecode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+              const at::Tensor& block_table, const at::Tensor& seq_lens, double scale, at::Tensor& out);
+
+  int64_t tasks() const { return rows_ * kv_heads_; }
+  // Multiply-adds of an average task.
+  int64_t work_per_task() const { return work_per_task_; }
+
+  // Task `task`: the query heads of one row that share one KV head. scratch: the caller's buffer,
+  // grown as needed.
+  void run(int64_t task, std::vector<float>& scratch) const;
+
+ private:
+  const float* q_;
+  const float* k_;
+  const float* v_;
+  const int64_t* tables_;
+  const int64_t* lens_;
+  float* out_;
+  int64_t rows_, heads_, kv_heads_, head_dim_, blocks_, block_size_;
+  int64_t q_row_stride_, q_head_stride_, table_stride_, work_per_task_;
+  float scale_;
+};
+
+}  // namespace stepahead_cpu
