@@ -15,6 +15,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_gemm", &stepahead_cpu::int4_gemm, no_gil);
   m.def("int8_gemm", &stepahead_cpu::int8_gemm, no_gil);
   m.def("rms_norm", &stepahead_cpu::rms_norm, no_gil);
+  m.def("silu_mul", &stepahead_cpu::silu_mul, no_gil);
   m.def("rotary_embedding", &stepahead_cpu::rotary_embedding, no_gil);
   m.def("paged_decode_attention", &stepahead_cpu::paged_decode_attention, no_gil);
   py::class_<stepahead_cpu::DecodeStack>(m, "DecodeStack")

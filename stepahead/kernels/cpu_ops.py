@@ -1,5 +1,5 @@
-"""The model's non-GEMM steps as single CPU kernels (rms_norm.cpp, rope.cpp, paged_decode.cpp; built by
-kernels/cpu_build.py), for the packed-weight path where a one-token step is otherwise dominated by
+"""The model's non-GEMM steps as single CPU kernels (rms_norm.cpp, rope.cpp, silu_mul.cpp,
+paged_decode.cpp; built by kernels/cpu_build.py), for the packed-weight path where a one-token step is otherwise dominated by
 dispatching torch's small operators. Each computes every row on its own, in a fixed order."""
 
 from __future__ import annotations
@@ -32,6 +32,13 @@ def rotary_embedding_(x: torch.Tensor, cos_sin: torch.Tensor) -> None:
     """Rotate x [tokens, heads, head_dim] (unit stride within a head) in place by each token's
     cos_sin [tokens, 2, head_dim] rows, rotate-half convention."""
     _op("rotary_embedding")(x, cos_sin)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up [..., 2 * features] (gate first, then up): [..., features], each value
+    a function of its own gate and up alone (a vectorized e^x, not torch's)."""
+    flat = gate_up.reshape(-1, gate_up.shape[-1])
+    return _op("silu_mul")(flat).view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,

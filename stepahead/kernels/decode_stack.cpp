@@ -4,7 +4,7 @@
 // module calls and the dispatch of some twenty operators per layer, each a few microseconds, thirty
 // layers deep. This runs the same arithmetic in the same order from C++: the kernels the Python
 // layers call (rms_norm with torch's arithmetic, or torch's own where that is not available; int4
-// GEMM, rope, decode attention), torch's silu and mul, and the residual adds and K/V writes, which are
+// GEMM, rope, silu(gate) * up, decode attention), and the residual adds and K/V writes, which are
 // single float additions and copies. Its outputs are bitwise the Python path's (tested), and a row's
 // result still depends on the row alone.
 //
@@ -171,8 +171,10 @@ at::Tensor DecodeStack::forward(at::Tensor h_in, const at::Tensor& cos_sin, cons
       // MLP: norm, fused gate/up projection, silu(gate) * up, down projection
       normalize(layer.post_norm);
       project(layer.gate_up.view, gp, false);
-      leader_runs([&] { at::mul_out(act, at::silu(gate_up.narrow(1, 0, inter_)), gate_up.narrow(1, inter_, inter_)); });
-      quantize(actp, inter_);
+      me.share(rows, 1, [&](int64_t r) {
+        silu_mul_row(gp + r * 2 * inter_, gp + r * 2 * inter_ + inter_, actp + r * inter_, inter_);
+        quantize_row(actp + r * inter_, inter_, xq, r);
+      });
       project(layer.down.view, hp, true);
     }
   });

@@ -18,6 +18,9 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 // Rotate-half rope of x [tokens, heads, head_dim] in place by cos_sin [tokens, 2, head_dim] (rope.cpp).
 void rotary_embedding(at::Tensor& x, const at::Tensor& cos_sin);
 
+// silu(gate) * up for gate_up [rows, 2 * features] holding gate then up in each row (silu_mul.cpp).
+at::Tensor silu_mul(const at::Tensor& gate_up);
+
 // One new token per row attending over its keys in the paged cache, into out (paged_decode.cpp).
 void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_table, const at::Tensor& seq_lens, double scale, at::Tensor& out);

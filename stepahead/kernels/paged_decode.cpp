@@ -72,44 +72,46 @@ PagedDecode::PagedDecode(const at::Tensor& q, const at::Tensor& k_cache, const a
   work_per_task_ = std::max<int64_t>(1, keys / std::max<int64_t>(rows_, 1) * (heads_ / kv_heads_) * head_dim_ * 2);
 }
 
-// The scores of the task's query heads against the row's keys, a softmax, then the weighted sum of
-// the values, each in token order.
+// The scores of the task's query heads against the row's keys in token order, a softmax (its sum
+// eight lanes at a time), then the weighted sums of the values in token order. The heads that share a
+// KV head are one task, so each key and value is read once.
 void PagedDecode::run(int64_t task, std::vector<float>& scratch) const {
   const int64_t row = task / kv_heads_, kv_head = task % kv_heads_, group = heads_ / kv_heads_;
-  const int64_t hd = head_dim_, len = lens_[row];
+  const int64_t hd = head_dim_, len = lens_[row], padded = (len + 7) / 8 * 8;
   const int64_t* table = tables_ + row * table_stride_;
   // where token t of this KV head lies
   const auto offset = [&](int64_t t) {
     return ((kv_head * blocks_ + table[t / block_size_]) * block_size_ + t % block_size_) * hd;
   };
-  scratch.resize(group * (len + hd + 1));
-  float* probs = scratch.data();        // [group, len]
-  float* acc = probs + group * len;     // [group, hd]
-  float* total = acc + group * hd;      // [group]
+  scratch.resize(group * (padded + hd + 1));
+  float* probs = scratch.data();         // [group, padded]: past len -inf, whose e^x is 0
+  float* acc = probs + group * padded;   // [group, hd]
+  float* totals = acc + group * hd;      // [group]
+  const float* q = q_ + row * q_row_stride_ + kv_head * group * q_head_stride_;
   for (int64_t t = 0; t < len; ++t) {
     const float* key = k_ + offset(t);
-    for (int64_t g = 0; g < group; ++g) {
-      const float* qh = q_ + row * q_row_stride_ + (kv_head * group + g) * q_head_stride_;
-      probs[g * len + t] = dot(qh, key, hd) * scale_;
+    for (int64_t g = 0; g < group; ++g) probs[g * padded + t] = dot(q + g * q_head_stride_, key, hd) * scale_;
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* p = probs + g * padded;
+    std::fill(p + len, p + padded, -INFINITY);
+    const __m256 top = _mm256_set1_ps(*std::max_element(p, p + len));
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t t = 0; t < padded; t += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + t), top));
+      _mm256_storeu_ps(p + t, e);
+      sum = _mm256_add_ps(sum, e);
     }
+    totals[g] = sum_lanes(sum);
   }
   std::fill_n(acc, group * hd, 0.f);
-  std::fill_n(total, group, 0.f);
-  for (int64_t g = 0; g < group; ++g) {
-    float* p = probs + g * len;
-    const float top = *std::max_element(p, p + len);
-    for (int64_t t = 0; t < len; ++t) {
-      p[t] = std::exp(p[t] - top);
-      total[g] += p[t];
-    }
-  }
   for (int64_t t = 0; t < len; ++t) {
     const float* value = v_ + offset(t);
-    for (int64_t g = 0; g < group; ++g) axpy(probs[g * len + t], value, acc + g * hd, hd);
+    for (int64_t g = 0; g < group; ++g) axpy(probs[g * padded + t], value, acc + g * hd, hd);
   }
   for (int64_t g = 0; g < group; ++g) {
-    float* o = out_ + row * heads_ * hd + (kv_head * group + g) * hd;
-    for (int64_t i = 0; i < hd; ++i) o[i] = acc[g * hd + i] / total[g];
+    float* o = out_ + (row * heads_ + kv_head * group + g) * hd;
+    for (int64_t i = 0; i < hd; ++i) o[i] = acc[g * hd + i] / totals[g];
   }
 }
 

@@ -13,4 +13,7 @@ void rms_norm_row(const float* x, const float* w, float* y, int64_t n, float eps
 // cos_sin is the token's [2, head_dim] row (rope.cpp).
 void rope_token(float* x, int64_t heads, int64_t head_stride, const float* cos_sin, int64_t head_dim);
 
+// out = silu(gate) * up over n floats (silu_mul.cpp).
+void silu_mul_row(const float* gate, const float* up, float* out, int64_t n);
+
 }  // namespace stepahead_cpu

@@ -26,4 +26,33 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return total;
 }
 
+// e^x in each lane, to about two units in the last place: x = n ln2 + r with |r| <= ln2 / 2, e^r by
+// a degree-7 Taylor-like polynomial (Cephes' expf coefficients), times 2^n through the exponent bits.
+// Lanes below -87.3 (where e^x leaves float's normal range) give 0, lanes from 88.3 to float's limit
+// e^88.3, lanes above it infinity, NaN lanes NaN. Vectorized, unlike std::exp, which costs a decode
+// step's attention more than its arithmetic.
+inline __m256 exp8(__m256 x) {
+  const __m256 lowest = _mm256_set1_ps(-87.3f);
+  const __m256 underflow = _mm256_cmp_ps(x, lowest, _CMP_LT_OQ);
+  const __m256 overflow = _mm256_cmp_ps(x, _mm256_set1_ps(88.7228f), _CMP_GT_OQ);
+  const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+  const __m256 xc = _mm256_min_ps(_mm256_max_ps(x, lowest), _mm256_set1_ps(88.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  // r = x - n ln2, with ln2 in two parts so n * ln2_hi is exact
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), xc);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i two_to_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  __m256 y = _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(two_to_n)));
+  y = _mm256_blendv_ps(y, _mm256_set1_ps(INFINITY), overflow);
+  return _mm256_blendv_ps(y, x, nan);
+}
+
 }  // namespace stepahead_cpu

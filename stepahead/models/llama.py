@@ -205,9 +205,13 @@ class MLP(nn.Module):
         self.inter = a.intermediate_size // ps.tp_size
         self.gate_up_proj = ColumnParallelLinear(a.hidden_size, 2 * self.inter, False, ps)
         self.down_proj = RowParallelLinear(self.inter, a.hidden_size, False, ps)
+        self.kernel = False  # silu(gate) * up by stepahead's CPU kernel (LlamaForCausalLM.use_cpu_kernels)
 
     def forward(self, x: torch.Tensor, prompt_rows: PromptRows | None = None) -> torch.Tensor:
-        g, u = self.gate_up_proj(x, prompt_rows).split([self.inter, self.inter], dim=-1)
+        gate_up = self.gate_up_proj(x, prompt_rows)
+        if self.kernel:
+            return self.down_proj(cpu_ops.silu_mul(gate_up), prompt_rows)
+        g, u = gate_up.split([self.inter, self.inter], dim=-1)
         return self.down_proj(F.silu(g) * u, prompt_rows)
 
 
@@ -255,16 +259,16 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = ParallelLMHead(a.vocab_size, a.hidden_size, ps,
                                           tied=self.embed_tokens if a.tie_word_embeddings else None)
         self.rope_cache: torch.Tensor | None = None  # [max_pos, 2, hd]: cos, sin
-        self.cpu_kernels = False  # whether rope, norms and decode attention run stepahead's CPU kernels
+        self.cpu_kernels = False  # whether rope, norms, activations, decode attention run stepahead's CPU kernels
         self.decode_stack = None  # the layers as one C++ call for decode-only steps (models/cpu_decode_stack.py)
 
     def use_cpu_kernels(self) -> None:
-        """Run rope and the norms (where the norm kernel is torch's arithmetic), and ask the runner to run
-        decode attention, on stepahead's CPU kernels, and decode-only steps through DecodeStack where every
-        projection allows (the loader's choice for packed weights in float32: torch's path stays the fp32
-        reference)."""
+        """Run rope, the MLP's activation and the norms (where the norm kernel is torch's arithmetic), and
+        ask the runner to run decode attention, on stepahead's CPU kernels, and decode-only steps through
+        DecodeStack where every projection allows (the loader's choice for packed weights in float32:
+        torch's path stays the fp32 reference)."""
         for module in self.modules():
-            if isinstance(module, Attention):
+            if isinstance(module, (Attention, MLP)):
                 module.kernel = True
             elif isinstance(module, RMSNorm):
                 module.kernel = cpu_ops.rms_norm_is_torchs(module.weight.shape[0])

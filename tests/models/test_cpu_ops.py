@@ -38,3 +38,22 @@ def test_rms_norm_is_torchs_arithmetic_bitwise(dim, rows):
         assert torch.equal(cpu_ops.rms_norm(x, weight, 1e-5), F.rms_norm(x, (dim,), weight, 1e-5))
     heads = torch.randn(2, 3, 2 * dim)[:, :, :dim]  # a strided view, as Qwen3's per-head norms see
     assert torch.equal(cpu_ops.rms_norm(heads, weight, 1e-6), F.rms_norm(heads, (dim,), weight, 1e-6))
+
+
+@pytest.mark.parametrize("rows,features", [(1, 8), (3, 1536), (5, 13)])  # 13: a tail past a multiple of 8
+def test_silu_mul_agrees_with_torch_and_a_value_depends_on_its_inputs_alone(rows, features):
+    gen = torch.Generator().manual_seed(features)
+    gate_up = torch.randn(rows, 2 * features, generator=gen) * 6
+    gate, up = gate_up.chunk(2, dim=-1)
+    out = cpu_ops.silu_mul(gate_up)
+    torch.testing.assert_close(out, F.silu(gate) * up, rtol=3e-7, atol=1e-7)
+    # the same gate and up values elsewhere in a row (the vector body or the tail) give the same bits
+    shifted = cpu_ops.silu_mul(torch.cat((gate.roll(1, -1), up.roll(1, -1)), dim=-1))
+    assert torch.equal(shifted.roll(-1, -1), out)
+
+
+def test_silu_mul_at_the_ends_of_the_exponential():
+    gate = torch.tensor([[-200.0, -90.0, -87.0, 0.0, 30.0, 88.0, 200.0, float("-inf"), float("inf"), float("nan"),
+                          1e-30]])
+    out = cpu_ops.silu_mul(torch.cat((gate, torch.full_like(gate, 2.0)), dim=-1))
+    torch.testing.assert_close(out, F.silu(gate) * 2, rtol=3e-7, atol=1e-30, equal_nan=True)
