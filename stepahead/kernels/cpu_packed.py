@@ -26,16 +26,16 @@ def available() -> bool:
     return cpu_build.available()
 
 
-def int4_gemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
-    """x [M, K] float32 times the [N, K] weight  codes * scales + mins  (GGUF block layout): [M, N] float32,
-    with x and the result rounded to bf16 values."""
-    return _op("int4_gemm")(x, codes, scales, mins)
-
-
-def int8_gemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [M, K] float32 times the [N, K] weight  codes * scales  (int8 codes, a scale per group of 32):
+def int4_gemm(x: torch.Tensor, tiles: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32 times the [N, K] weight  codes * scales + mins  (tile_q4's layout, mins [N, K / 32]):
     [M, N] float32, with x and the result rounded to bf16 values."""
-    return _op("int8_gemm")(x, codes, scales)
+    return _op("int4_gemm")(x, tiles, mins)
+
+
+def int8_gemm(x: torch.Tensor, tiles: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x [M, K] float32 times the [N, K] weight  codes * scales  (tile_q8's layout, N = out_features):
+    [M, N] float32, with x and the result rounded to bf16 values."""
+    return _op("int8_gemm")(x, tiles, out_features)
 
 
 @functools.cache
@@ -55,3 +55,41 @@ def unpack_codes(codes: torch.Tensor) -> torch.Tensor:
     """pack_codes undone: [N, K] uint8 codes."""
     halves = codes.view(codes.shape[0], -1, GROUP // 2)
     return torch.cat((halves & 0x0F, halves >> 4), dim=-1).reshape(codes.shape[0], -1)
+
+
+TILE = 4  # columns per tile of the kernels' layout
+
+
+def tile_q4(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """pack_codes' bytes [N, K / 2] and their scales [N, K / 32] in the kernels' layout (packed_gemm.h):
+    per tile of four columns and group of 32 inputs, the four columns' 16 code bytes then their four
+    float32 scales. [ceil(N / 4), K / 32, 80] uint8."""
+    return _tiles(codes.view(codes.shape[0], -1, GROUP // 2), scales)
+
+
+def tile_q8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """int8 codes [N, K] and their scales [N, K / 32] (GGUF's Q8_0) in the kernels' layout: per tile of
+    four columns and group, the four columns' 32 codes then their four scales. [ceil(N / 4), K / 32, 144]."""
+    return _tiles(q.to(torch.int8).contiguous().view(torch.uint8).view(q.shape[0], -1, GROUP), scales)
+
+
+def untile(tiles: torch.Tensor, out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """tile_q4 or tile_q8 undone: (the code bytes [N, groups, 16 or 32] uint8, the scales [N, groups])."""
+    count, groups, record = tiles.shape
+    width = (record - 4 * TILE) // TILE
+    codes = tiles[..., : TILE * width].reshape(count, groups, TILE, width).transpose(1, 2)
+    scales = tiles[..., TILE * width:].contiguous().view(torch.float32).transpose(1, 2)
+    return (codes.reshape(count * TILE, groups, width)[:out_features],
+            scales.reshape(count * TILE, groups)[:out_features])
+
+
+def _tiles(code_groups: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    n, groups, width = code_groups.shape
+    pad = -n % TILE
+    if pad:
+        code_groups = torch.cat((code_groups, code_groups.new_zeros(pad, groups, width)))
+        scales = torch.cat((scales, scales.new_zeros(pad, groups)))
+    count = (n + pad) // TILE
+    codes = code_groups.reshape(count, TILE, groups, width).transpose(1, 2).reshape(count, groups, TILE * width)
+    scale_bytes = scales.float().reshape(count, TILE, groups).transpose(1, 2).contiguous().view(torch.uint8)
+    return torch.cat((codes, scale_bytes), dim=-1).contiguous()

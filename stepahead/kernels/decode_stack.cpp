@@ -31,19 +31,16 @@ namespace stepahead_cpu {
 namespace {
 
 Int4Weight int4_weight(const std::vector<at::Tensor>& t, size_t first, int64_t N, int64_t K, const char* name) {
-  const at::Tensor &codes = t[first], &scales = t[first + 1], &mins = t[first + 2];
-  const at::Tensor bias = t[first + 3].numel() ? t[first + 3] : at::Tensor();
-  TORCH_CHECK(K % kGroup == 0 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
-                  codes.sizes() == at::IntArrayRef({N, K / 2}),
-              name, ": codes must be a contiguous uint8 [", N, ", ", K / 2, "] tensor");
-  for (const at::Tensor* g : {&scales, &mins})
-    TORCH_CHECK(g->scalar_type() == at::kFloat && g->is_contiguous() && g->numel() == N * (K / kGroup), name,
-                ": scales and mins must be contiguous float32 [N, K / 32]");
+  const at::Tensor &tiles = t[first], &mins = t[first + 1];
+  const at::Tensor bias = t[first + 2].numel() ? t[first + 2] : at::Tensor();
+  check_tiles(tiles, PackedWeight::Format::kQ4, N, K);
+  TORCH_CHECK(mins.scalar_type() == at::kFloat && mins.is_contiguous() && mins.numel() == N * (K / kGroup), name,
+              ": mins must be a contiguous float32 [N, K / 32] tensor");
   TORCH_CHECK(!bias.defined() || (bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.numel() == N),
               name, ": the bias must be a contiguous float32 [N] tensor");
-  const PackedWeight view{PackedWeight::Format::kQ4, codes.data_ptr<uint8_t>(), scales.data_ptr<float>(),
-                          mins.data_ptr<float>(), bias.defined() ? bias.data_ptr<float>() : nullptr, N, K};
-  return Int4Weight{codes, scales, mins, bias, view};
+  const PackedWeight view{PackedWeight::Format::kQ4, tiles.data_ptr<uint8_t>(), mins.data_ptr<float>(),
+                          bias.defined() ? bias.data_ptr<float>() : nullptr, N, K};
+  return Int4Weight{tiles, mins, bias, view};
 }
 
 }  // namespace
@@ -55,13 +52,13 @@ DecodeStack::DecodeStack(const std::vector<std::vector<at::Tensor>>& layers, int
   const int64_t q_dim = heads * head_dim, qkv_dim = (heads + 2 * kv_heads) * head_dim;
   for (const auto& t : layers) {
     TORCH_CHECK(t.size() == kTensorsPerLayer, "a layer takes ", kTensorsPerLayer, " tensors, got ", t.size());
-    if (layers_.empty()) hidden_ = t[0].numel(), inter_ = t[14].size(1) * 2;  // down's codes: [hidden, inter / 2]
+    if (layers_.empty()) hidden_ = t[0].numel(), inter_ = t[12].size(1) * kGroup;  // down's mins: [hidden, inter / 32]
     for (const at::Tensor* norm : {&t[0], &t[1]})
       TORCH_CHECK(norm->scalar_type() == at::kFloat && norm->is_contiguous() && norm->numel() == hidden_,
                   "the norm weights must be contiguous float32 [hidden] tensors");
     layers_.push_back(Layer{t[0], t[1], int4_weight(t, 2, qkv_dim, hidden_, "q/k/v"),
-                            int4_weight(t, 6, hidden_, q_dim, "o"), int4_weight(t, 10, 2 * inter_, hidden_, "gate/up"),
-                            int4_weight(t, 14, hidden_, inter_, "down")});
+                            int4_weight(t, 5, hidden_, q_dim, "o"), int4_weight(t, 8, 2 * inter_, hidden_, "gate/up"),
+                            int4_weight(t, 11, hidden_, inter_, "down")});
   }
 }
 

@@ -2,10 +2,9 @@
 // integer dot products (as llama.cpp multiplies its Q4 and Q8 codes, but with 16-bit activations, not
 // 8-bit).
 //
-// W is [N, K] in groups of 32 consecutive inputs with float32 scales [N, K / 32]. 4-bit (int4_gemm):
-// codes [N, K / 2] bytes (byte j of a group holds element j in its low nibble and element j + 16 in its
-// high nibble) and mins [N, K / 32], so w = q * scale + min. 8-bit (int8_gemm, GGUF's Q8_0): codes
-// [N, K] int8, w = q * scale. Each row of x is quantized per group of 32 to int16 codes qx with one
+// W is [N, K] in groups of 32 consecutive inputs, each with a float32 scale, in tiles of four columns
+// (packed_gemm.h). 4-bit (int4_gemm): w = q * scale + min with codes 0..15 and mins [N, K / 32]. 8-bit
+// (int8_gemm, GGUF's Q8_0): w = q * scale with int8 codes. Each row of x is quantized per group of 32 to int16 codes qx with one
 // scale dx = max|x| / 32767, so a group's product is
 //     sum(w * x) = scale * dx * sum(q * qx) + min * dx * sum(qx)
 // where sum(q * qx) is exact in int32 (vpmaddwd) and in float (each lane's sum stays under 2^24).
@@ -58,6 +57,7 @@ constexpr float kCodeMax = 32767.f;
 // Q8_0 blocks): 32 signed bytes, w = q * scale; |q| <= 128 keeps a group's int32 lanes, four products
 // each, under 4 * 128 * 32767 < 2^24, so still exact in float.
 struct Q4 {
+  static constexpr PackedWeight::Format kFormat = PackedWeight::Format::kQ4;
   static constexpr int64_t kGroupBytes = kGroup / 2;
   static constexpr bool kHasMins = true;
   static void unpack(const uint8_t* codes, __m256i& lo, __m256i& hi) {
@@ -69,6 +69,7 @@ struct Q4 {
 };
 
 struct Q8 {
+  static constexpr PackedWeight::Format kFormat = PackedWeight::Format::kQ8;
   static constexpr int64_t kGroupBytes = kGroup;
   static constexpr bool kHasMins = false;
   static void unpack(const uint8_t* codes, __m256i& lo, __m256i& hi) {
@@ -84,19 +85,24 @@ inline __m256 group_dot(__m256i w_lo, __m256i w_hi, const int16_t* qx) {
   return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(w_lo, x_lo), _mm256_madd_epi16(w_hi, x_hi)));
 }
 
-// y[row .. row + R) x [n .. n + C).
+// y[row .. row + R) x [n .. n + C), C dividing four and n a multiple of C: columns of one tile.
 template <typename F, int R, int C>
 void tile(const QuantizedRows& xq, int64_t row, const PackedWeight& w, const Output& out, int64_t n) {
+  constexpr int64_t kRecord = record_bytes(F::kFormat), kScales = kTileColumns * F::kGroupBytes;
   const int64_t K = w.K, groups = K / kGroup, x_groups = xq.row_stride / kGroup;
+  const uint8_t* records = w.tiles + (n / kTileColumns) * groups * kRecord;
+  const int64_t first = n % kTileColumns;
   __m256 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* record = records + g * kRecord;
+    const float* scales = reinterpret_cast<const float*>(record + kScales);
     __m256i w_lo[C], w_hi[C];
     __m256 wscale[C];
     for (int c = 0; c < C; ++c) {
-      F::unpack(w.codes + (n + c) * groups * F::kGroupBytes + g * F::kGroupBytes, w_lo[c], w_hi[c]);
-      wscale[c] = _mm256_set1_ps(w.scales[(n + c) * groups + g]);
+      F::unpack(record + (first + c) * F::kGroupBytes, w_lo[c], w_hi[c]);
+      wscale[c] = _mm256_set1_ps(scales[first + c]);
     }
     for (int r = 0; r < R; ++r) {
       const int16_t* qx = xq.codes + (row + r) * xq.row_stride + g * kGroup;
@@ -158,11 +164,6 @@ at::Tensor gemm(const at::Tensor& x, const PackedWeight& w) {
   return y;
 }
 
-void check_scales(const at::Tensor& t, const char* name, int64_t N, int64_t K) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == N * (K / kGroup), name,
-              " must be contiguous float32 [N, K / 32]");
-}
-
 }  // namespace
 
 // Each value is rounded to bfloat16 first, as torch's kernels round theirs: a last-bit difference in an
@@ -210,27 +211,31 @@ void column_block(const PackedWeight& w, const QuantizedRows& x, int64_t M, int6
   }
 }
 
-at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be a 2-D float32 tensor");
-  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
-              "codes must be a contiguous [N, K / 2] uint8 tensor");
-  const int64_t K = x.size(1), N = codes.size(0);
-  TORCH_CHECK(K % kGroup == 0 && codes.size(1) * 2 == K, "codes must be [N, K / 2] with K a multiple of 32");
-  check_scales(scales, "scales", N, K);
-  check_scales(mins, "mins", N, K);
-  return gemm(x, PackedWeight{PackedWeight::Format::kQ4, codes.data_ptr<uint8_t>(), scales.data_ptr<float>(),
-                              mins.data_ptr<float>(), nullptr, N, K});
+void check_tiles(const at::Tensor& tiles, PackedWeight::Format format, int64_t N, int64_t K) {
+  TORCH_CHECK(K % kGroup == 0, "the inputs must be a multiple of 32, got ", K);
+  const int64_t tile_count = (N + kTileColumns - 1) / kTileColumns;
+  TORCH_CHECK(tiles.scalar_type() == at::kByte && tiles.is_contiguous() &&
+                  tiles.sizes() == at::IntArrayRef({tile_count, K / kGroup, record_bytes(format)}),
+              "tiles must be a contiguous uint8 [", tile_count, ", ", K / kGroup, ", ", record_bytes(format),
+              "] tensor (packed_gemm.h)");
 }
 
-at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
+at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& mins) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be a 2-D float32 tensor");
-  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous(),
-              "codes must be a contiguous [N, K] int8 tensor");
-  const int64_t K = x.size(1), N = codes.size(0);
-  TORCH_CHECK(K % kGroup == 0 && codes.size(1) == K, "codes must be [N, K] with K a multiple of 32");
-  check_scales(scales, "scales", N, K);
-  return gemm(x, PackedWeight{PackedWeight::Format::kQ8, reinterpret_cast<const uint8_t*>(codes.data_ptr<int8_t>()),
-                              scales.data_ptr<float>(), nullptr, nullptr, N, K});
+  TORCH_CHECK(mins.dim() == 2 && mins.scalar_type() == at::kFloat && mins.is_contiguous(),
+              "mins must be a contiguous float32 [N, K / 32] tensor");
+  const int64_t K = x.size(1), N = mins.size(0);
+  check_tiles(tiles, PackedWeight::Format::kQ4, N, K);
+  TORCH_CHECK(mins.size(1) == K / kGroup, "mins must be [N, K / 32]");
+  return gemm(x, PackedWeight{PackedWeight::Format::kQ4, tiles.data_ptr<uint8_t>(), mins.data_ptr<float>(),
+                              nullptr, N, K});
+}
+
+at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& tiles, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be a 2-D float32 tensor");
+  const int64_t K = x.size(1);
+  check_tiles(tiles, PackedWeight::Format::kQ8, N, K);
+  return gemm(x, PackedWeight{PackedWeight::Format::kQ8, tiles.data_ptr<uint8_t>(), nullptr, nullptr, N, K});
 }
 
 }  // namespace stepahead_cpu

@@ -1,6 +1,8 @@
 // The packed GEMM's pieces (packed_gemm.cpp), for callers that split its work themselves (DecodeStack).
 #pragma once
 
+#include <ATen/core/Tensor.h>
+
 #include <cstdint>
 
 namespace stepahead_cpu {
@@ -20,16 +22,31 @@ struct QuantizedRows {
 // Row `row` of x (K floats, K a multiple of 32) into q.
 void quantize_row(const float* x, int64_t K, const QuantizedRows& q, int64_t row);
 
-// W [N, K] as 4-bit codes with scales and mins (GGUF's Q4_1 layout) or 8-bit codes with scales (Q8_0).
+// W [N, K] in GGUF's 4-bit codes with scales and mins (Q4_1's values) or 8-bit codes with scales
+// (Q8_0's), laid out in tiles of four columns: for each tile, for each group of 32 inputs, one record of
+// the four columns' codes (a column's 16 bytes of nibbles, byte j holding element j low and j + 16
+// high; or its 32 signed bytes) followed by their four float32 scales. Records and tiles follow each
+// other, so a thread reads its columns as one sequential stream (a one-row step reads weights at
+// memory speed only when the prefetchers see long streams). N is padded to a multiple of four with
+// zeros. Q4's mins stay [N, K / 32], read once per column.
 struct PackedWeight {
   enum class Format { kQ4, kQ8 };
   Format format;
-  const uint8_t* codes;
-  const float* scales;
+  const uint8_t* tiles;
   const float* mins;  // Q4 only
   const float* bias;  // nullptr: none
   int64_t N, K;
 };
+
+constexpr int64_t kTileColumns = 4;
+
+// Bytes of one tile's record for one group.
+constexpr int64_t record_bytes(PackedWeight::Format format) {
+  return kTileColumns * (format == PackedWeight::Format::kQ4 ? kGroup / 2 : kGroup) + kTileColumns * 4;
+}
+
+// Fails unless tiles is a contiguous uint8 tensor laid out as above for W [N, K].
+void check_tiles(const at::Tensor& tiles, PackedWeight::Format format, int64_t N, int64_t K);
 
 // Where a block's outputs go: y[m, n] for m < M, row stride N; accumulate adds them to what y holds
 // (a residual stream), as torch's y + projection would.

@@ -82,8 +82,7 @@ class Int4Linear(_PackedBase):
         self.group_size = weight.group_size
         self.kernel = "stepahead" if self.group_size == cpu_packed.GROUP and cpu_packed.available() else "torch"
         if self.kernel == "stepahead":
-            self.register_buffer("codes", cpu_packed.pack_codes(weight.q))
-            self.register_buffer("scales", weight.scales.float().contiguous())
+            self.register_buffer("tiles", cpu_packed.tile_q4(cpu_packed.pack_codes(weight.q), weight.scales))
             self.register_buffer("mins", weight.mins.float().contiguous())
             return
         packed = torch._convert_weight_to_int4pack_for_cpu(weight.q.to(torch.int32).contiguous(), 1)
@@ -95,15 +94,16 @@ class Int4Linear(_PackedBase):
 
     def _packed_mm(self, flat: torch.Tensor) -> torch.Tensor:
         if self.kernel == "stepahead":
-            return cpu_packed.int4_gemm(flat.float(), self.codes, self.scales, self.mins)
+            return cpu_packed.int4_gemm(flat.float(), self.tiles, self.mins)
         return torch._weight_int4pack_mm_for_cpu(flat.to(KERNEL_DTYPE), self.packed, self.group_size,
                                                  self.scales_zeros)
 
     def dequantized_weight(self) -> torch.Tensor:
         """The [out, in] float32 weight the kernel multiplies with."""
         if self.kernel == "stepahead":
-            codes = cpu_packed.unpack_codes(self.codes)
-            return GroupQuantWeight(codes, self.scales, self.mins, self.group_size, 4).dequantize()
+            code_bytes, scales = cpu_packed.untile(self.tiles, self.out_features)
+            codes = cpu_packed.unpack_codes(code_bytes.reshape(self.out_features, -1))
+            return GroupQuantWeight(codes, scales, self.mins, self.group_size, 4).dequantize()
         # torch's kernel through an identity input: its weight with bf16 scales and zeros.
         eye = torch.eye(self.in_features, dtype=KERNEL_DTYPE)
         return torch._weight_int4pack_mm_for_cpu(eye, self.packed, self.group_size, self.scales_zeros).float().t()
@@ -117,9 +117,8 @@ class Int8Linear(_PackedBase):
     def __init__(self, weight: GroupQuantWeight, bias: torch.Tensor | None = None) -> None:
         super().__init__(*weight.shape, bias)
         self.kernel = "stepahead" if weight.group_size == cpu_packed.GROUP and cpu_packed.available() else "torch"
-        if self.kernel == "stepahead":  # GGUF's Q8_0 blocks as they are
-            self.register_buffer("qweight", weight.q.to(torch.int8).contiguous())
-            self.register_buffer("scales", weight.scales.float().contiguous())
+        if self.kernel == "stepahead":  # GGUF's Q8_0 blocks, in tiles of four columns
+            self.register_buffer("tiles", cpu_packed.tile_q8(weight.q, weight.scales))
             return
         rows = to_int8_rows(weight)  # torch's kernel takes one scale per row
         self.register_buffer("qweight", rows.q.contiguous())
@@ -127,12 +126,14 @@ class Int8Linear(_PackedBase):
 
     def _packed_mm(self, flat: torch.Tensor) -> torch.Tensor:
         if self.kernel == "stepahead":
-            return cpu_packed.int8_gemm(flat.float(), self.qweight, self.scales)
+            return cpu_packed.int8_gemm(flat.float(), self.tiles, self.out_features)
         return torch._weight_int8pack_mm(flat.to(KERNEL_DTYPE), self.qweight, self.scales)
 
     def dequantized_weight(self) -> torch.Tensor:
         if self.kernel == "stepahead":
-            return GroupQuantWeight(self.qweight, self.scales, None, cpu_packed.GROUP, 8).dequantize()
+            code_bytes, scales = cpu_packed.untile(self.tiles, self.out_features)
+            codes = code_bytes.reshape(self.out_features, -1).view(torch.int8)
+            return GroupQuantWeight(codes, scales, None, cpu_packed.GROUP, 8).dequantize()
         return self.qweight.float() * self.scales.float().unsqueeze(1)
 
     def extra_repr(self) -> str:

@@ -39,7 +39,7 @@ def _reference(x, weight):
 
 
 def _args(weight):
-    return cpu_packed.pack_codes(weight.q), weight.scales.contiguous(), weight.mins.contiguous()
+    return cpu_packed.tile_q4(cpu_packed.pack_codes(weight.q), weight.scales), weight.mins.contiguous()
 
 
 @pytest.mark.parametrize("rows,out_features,in_features", [(1, 16, 32), (3, 37, 64), (5, 64, 96), (13, 50, 576),
@@ -66,6 +66,20 @@ def test_a_non_finite_activation_makes_its_row_nan_and_no_other():
     x[2, 3] = float("inf")
     y = cpu_packed.int4_gemm(x, *_args(weight))
     assert bool(y[1:].isnan().all()) and bool(y[0].isfinite().all())
+
+
+@pytest.mark.parametrize("out_features", [4, 37])  # 37: the last tile padded
+def test_tiles_hold_the_codes_and_scales_and_come_apart_again(out_features):
+    weight, q8 = _weight(out_features, 96), _q8_0(out_features, 96)
+    codes = cpu_packed.pack_codes(weight.q)
+    tiles = cpu_packed.tile_q4(codes, weight.scales)
+    assert tiles.shape == ((out_features + 3) // 4, 3, 4 * 16 + 16)
+    assert tiles[0, 1, 16:32].equal(codes[1, 16:32])  # column 1's second group
+    assert tiles[0, 1, 64 + 4:64 + 8].view(torch.float32).item() == weight.scales[1, 1].item()
+    code_bytes, scales = cpu_packed.untile(tiles, out_features)
+    assert code_bytes.reshape(out_features, -1).equal(codes) and scales.equal(weight.scales.float())
+    code_bytes, scales = cpu_packed.untile(cpu_packed.tile_q8(q8.q, q8.scales), out_features)
+    assert code_bytes.reshape(out_features, -1).view(torch.int8).equal(q8.q) and scales.equal(q8.scales)
 
 
 def test_codes_pack_in_ggufs_block_layout():
@@ -135,11 +149,12 @@ def test_the_8bit_kernel_computes_the_q8_0_product_row_by_row(rows, out_features
     weight = _q8_0(out_features, in_features)
     x = torch.randn(rows, in_features) * 3
     x[0, -32:] = 1000.0  # a group at the codes' extremes: each lane's integer sum stays exact in float
-    y = cpu_packed.int8_gemm(x, weight.q, weight.scales)
+    tiles = cpu_packed.tile_q8(weight.q, weight.scales)
+    y = cpu_packed.int8_gemm(x, tiles, out_features)
     ref = _reference(x, weight)
     assert bool(((y - ref).abs() <= ref.abs().clamp(min=1e-30) * 2.0 ** -7).all())
     for i in range(rows):
-        assert torch.equal(cpu_packed.int8_gemm(x[i:i + 1], weight.q, weight.scales)[0], y[i])
+        assert torch.equal(cpu_packed.int8_gemm(x[i:i + 1], tiles, out_features)[0], y[i])
 
 
 def test_int8_linear_runs_q8_0_on_the_kernel_and_per_row_codes_on_torchs():
@@ -148,5 +163,5 @@ def test_int8_linear_runs_q8_0_on_the_kernel_and_per_row_codes_on_torchs():
     assert layer.kernel == "stepahead" and "kernel=stepahead" in repr(layer)
     assert torch.equal(layer.dequantized_weight(), weight.dequantize())
     x = torch.randn(3, 128)
-    assert torch.equal(layer(x), cpu_packed.int8_gemm(x, weight.q, weight.scales))
+    assert torch.equal(layer(x), cpu_packed.int8_gemm(x, cpu_packed.tile_q8(weight.q, weight.scales), 48))
     assert Int8Linear(quantize_int8_rows(torch.randn(48, 128))).kernel == "torch"  # one scale per row
