@@ -1,8 +1,9 @@
 """The AVX2 4-bit and 8-bit GEMMs (packed_gemm.cpp; built by kernels/cpu_build.py).
 
 torch's own weight-only int4 kernel multiplies bf16 activations with weights dequantized in floating
-point; this one keeps GGUF's block layout, quantizes the activations to 16-bit integers per group of
-32 and multiplies with exact integer dot products (llama.cpp's Q4 x Q8 scheme with twice the activation
+point; this one keeps GGUF's blocks (in tiles of four columns, tile_q4 / tile_q8: a thread reads its
+columns as one stream, which made a one-token step 1.45x faster), quantizes the activations to 16-bit
+integers per group of 32 and multiplies with exact integer dot products (llama.cpp's Q4 x Q8 scheme with twice the activation
 bits). Over the built-in model's 120 projections at 32 rows it took 115-130 ms against 161-194 ms
 (three runs); at one row it is within the noise of torch's (14-21 against 18-19 ms). Its logits are
 closer to the fp32 model's (fp32 scales instead of bf16 ones). A row's result does not depend on its

@@ -1,9 +1,10 @@
 """Linear layers whose weights stay packed, run with weight-only CPU kernels.
 
 - Int4Linear: 4-bit codes with a scale and an offset per group of inputs (GGUF Q4_0/Q4_1, or
-  --quantization int4). With groups of 32 on an AVX2 CPU it keeps GGUF's block layout and runs
-  stepahead's own kernel (kernels/packed_gemm.cpp: activations quantized to 16-bit integers per group
-  of 32, exact integer dot products; 1.2-1.6x torch's kernel at 32 rows). Otherwise the codes are packed
+  --quantization int4). With groups of 32 on an AVX2 CPU it keeps GGUF's blocks, in tiles of four
+  columns that a thread reads as one stream (kernels/packed_gemm.h), and runs stepahead's own kernel
+  (kernels/packed_gemm.cpp: activations quantized to 16-bit integers per group of 32, exact integer
+  dot products; 1.2-1.6x torch's kernel at 32 rows). Otherwise the codes are packed
   by `torch._convert_weight_to_int4pack_for_cpu` and multiplied by `torch._weight_int4pack_mm_for_cpu`,
   which computes  (q - 8) * scale + zero  per group (a code's offset `min` becomes
   zero = min + 8 * scale) on bfloat16 activations.
