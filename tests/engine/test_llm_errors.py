@@ -122,7 +122,16 @@ def test_empty_prompt_list_and_empty_conversation(llm):
         llm.chat([], PARAMS, use_tqdm=False)
 
 
-def test_ctrl_c_aborts_the_call_and_the_engine_lives_on(tiny_llama):
+@pytest.fixture
+def ctrl_c_raises():
+    """Python's own SIGINT handler for the test: a suite started in the background (`make test &`)
+    inherits SIGINT ignored, and then Python installs no handler and Ctrl-C raises nothing."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_aborts_the_call_and_the_engine_lives_on(tiny_llama, ctrl_c_raises):
     """Ctrl-C reaches the worker too (same process group): it survives, the call is aborted, the LLM works."""
     with LLM(str(tiny_llama), executor="mp", max_model_len=64) as llm:
         (ref,) = llm.generate(GOOD, PARAMS, use_tqdm=False)
@@ -132,7 +141,7 @@ def test_ctrl_c_aborts_the_call_and_the_engine_lives_on(tiny_llama):
                 if k == 2:
                     os.kill(llm._executor.worker_pid, signal.SIGINT)
                     os.kill(os.getpid(), signal.SIGINT)
-                    # Let the handler run here, in this frame: at any later bytecode it could land in a
+                    # Let the handler run here, in this frame: at a later bytecode it could land in a
                     # finalizer (__del__, a weakref callback), where Python prints and drops it.
                     time.sleep(5)
         stream.close()  # as leaving the caller's frame would: the request is aborted
