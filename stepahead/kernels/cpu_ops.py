@@ -1,6 +1,7 @@
 """The model's non-GEMM steps as single CPU kernels (rms_norm.cpp, rope.cpp, silu_mul.cpp,
-paged_decode.cpp; built by kernels/cpu_build.py), for the packed-weight path where a one-token step is otherwise dominated by
-dispatching torch's small operators. Each computes every row on its own, in a fixed order."""
+paged_decode.cpp; built by kernels/cpu_build.py), for the packed-weight path where a one-token step is
+otherwise dominated by dispatching torch's small operators. Each computes every row on its own, in a
+fixed order."""
 
 from __future__ import annotations
 

@@ -3,8 +3,8 @@
 torch's own weight-only int4 kernel multiplies bf16 activations with weights dequantized in floating
 point; this one keeps GGUF's blocks (in tiles of four columns, tile_q4 / tile_q8: a thread reads its
 columns as one stream, which made a one-token step 1.45x faster), quantizes the activations to 16-bit
-integers per group of 32 and multiplies with exact integer dot products (llama.cpp's Q4 x Q8 scheme with twice the activation
-bits). Over the built-in model's 120 projections at 32 rows it took 115-130 ms against 161-194 ms
+integers per group of 32 and multiplies with exact integer dot products (llama.cpp's Q4 x Q8 scheme
+with twice the activation bits). Over the built-in model's 120 projections at 32 rows it took 115-130 ms against 161-194 ms
 (three runs); at one row it is within the noise of torch's (14-21 against 18-19 ms). Its logits are
 closer to the fp32 model's (fp32 scales instead of bf16 ones). A row's result does not depend on its
 batch (see the source). The 8-bit one multiplies GGUF's Q8_0 codes with their per-group scales
@@ -25,6 +25,12 @@ GROUP = 32  # inputs per scale and offset, GGUF's block
 def available() -> bool:
     """Whether the kernel is built and loaded in this process (kernels/cpu_build.py)."""
     return cpu_build.available()
+
+
+def kernel_for(group_size: int) -> str:
+    """Which kernel a packed linear with this group size runs here: "stepahead" (GGUF's groups of 32,
+    kernels built) or "torch"."""
+    return "stepahead" if group_size == GROUP and available() else "torch"
 
 
 def int4_gemm(x: torch.Tensor, tiles: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
@@ -75,12 +81,12 @@ def tile_q8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 def untile(tiles: torch.Tensor, out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """tile_q4 or tile_q8 undone: (the code bytes [N, groups, 16 or 32] uint8, the scales [N, groups])."""
+    """tile_q4 or tile_q8 undone: (the code bytes [N, K / 2 or K] uint8, the scales [N, K / 32])."""
     count, groups, record = tiles.shape
     width = (record - 4 * TILE) // TILE
     codes = tiles[..., : TILE * width].reshape(count, groups, TILE, width).transpose(1, 2)
     scales = tiles[..., TILE * width:].contiguous().view(torch.float32).transpose(1, 2)
-    return (codes.reshape(count * TILE, groups, width)[:out_features],
+    return (codes.reshape(count * TILE, groups * width)[:out_features],
             scales.reshape(count * TILE, groups)[:out_features])
 
 

@@ -21,7 +21,6 @@
 #include <vector>
 
 #include "decode_stack.h"
-#include "ops.h"
 #include "paged_decode.h"
 #include "row_ops.h"
 #include "team.h"
@@ -30,17 +29,10 @@ namespace stepahead_cpu {
 
 namespace {
 
-Int4Weight int4_weight(const std::vector<at::Tensor>& t, size_t first, int64_t N, int64_t K, const char* name) {
-  const at::Tensor &tiles = t[first], &mins = t[first + 1];
+// A projection's tiles, mins and bias, from index `first` of a layer's tensors; W [N, K].
+Int4Weight int4_weight(const std::vector<at::Tensor>& t, size_t first, int64_t N, int64_t K) {
   const at::Tensor bias = t[first + 2].numel() ? t[first + 2] : at::Tensor();
-  check_tiles(tiles, PackedWeight::Format::kQ4, N, K);
-  TORCH_CHECK(mins.scalar_type() == at::kFloat && mins.is_contiguous() && mins.numel() == N * (K / kGroup), name,
-              ": mins must be a contiguous float32 [N, K / 32] tensor");
-  TORCH_CHECK(!bias.defined() || (bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.numel() == N),
-              name, ": the bias must be a contiguous float32 [N] tensor");
-  const PackedWeight view{PackedWeight::Format::kQ4, tiles.data_ptr<uint8_t>(), mins.data_ptr<float>(),
-                          bias.defined() ? bias.data_ptr<float>() : nullptr, N, K};
-  return Int4Weight{tiles, mins, bias, view};
+  return Int4Weight{t[first], t[first + 1], bias, q4_weight(t[first], t[first + 1], bias, N, K)};
 }
 
 }  // namespace
@@ -56,9 +48,8 @@ DecodeStack::DecodeStack(const std::vector<std::vector<at::Tensor>>& layers, int
     for (const at::Tensor* norm : {&t[0], &t[1]})
       TORCH_CHECK(norm->scalar_type() == at::kFloat && norm->is_contiguous() && norm->numel() == hidden_,
                   "the norm weights must be contiguous float32 [hidden] tensors");
-    layers_.push_back(Layer{t[0], t[1], int4_weight(t, 2, qkv_dim, hidden_, "q/k/v"),
-                            int4_weight(t, 5, hidden_, q_dim, "o"), int4_weight(t, 8, 2 * inter_, hidden_, "gate/up"),
-                            int4_weight(t, 11, hidden_, inter_, "down")});
+    layers_.push_back(Layer{t[0], t[1], int4_weight(t, 2, qkv_dim, hidden_), int4_weight(t, 5, hidden_, q_dim),
+                            int4_weight(t, 8, 2 * inter_, hidden_), int4_weight(t, 11, hidden_, inter_)});
   }
 }
 
@@ -143,9 +134,7 @@ at::Tensor DecodeStack::forward(at::Tensor h_in, const at::Tensor& cos_sin, cons
       });
     };
     const auto project = [&](const PackedWeight& w, float* y, bool accumulate) {
-      const int64_t blocks = column_blocks(w);
-      const Output out{y, accumulate};
-      me.share(blocks, claim_size(blocks, me.members()), [&](int64_t b) { column_block(w, xq, rows, b, out); });
+      multiply(me, w, xq, rows, Output{y, accumulate});
     };
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];

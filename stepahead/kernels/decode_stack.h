@@ -39,7 +39,6 @@ class DecodeStack {
     at::Tensor input_norm, post_norm;
     Int4Weight qkv, o, gate_up, down;
   };
-  struct Workspace;
   std::vector<Layer> layers_;
   int64_t hidden_, inter_, heads_, kv_heads_, head_dim_;
   double eps_, scale_;

@@ -4,8 +4,8 @@
 //
 // W is [N, K] in groups of 32 consecutive inputs, each with a float32 scale, in tiles of four columns
 // (packed_gemm.h). 4-bit (int4_gemm): w = q * scale + min with codes 0..15 and mins [N, K / 32]. 8-bit
-// (int8_gemm, GGUF's Q8_0): w = q * scale with int8 codes. Each row of x is quantized per group of 32 to int16 codes qx with one
-// scale dx = max|x| / 32767, so a group's product is
+// (int8_gemm, GGUF's Q8_0): w = q * scale with int8 codes. Each row of x is quantized per group of 32
+// to int16 codes qx with one scale dx = max|x| / 32767, so a group's product is
 //     sum(w * x) = scale * dx * sum(q * qx) + min * dx * sum(qx)
 // where sum(q * qx) is exact in int32 (vpmaddwd) and in float (each lane's sum stays under 2^24).
 // Activations are rounded to bfloat16 values before they are quantized (see quantize_row), and
@@ -156,12 +156,20 @@ at::Tensor gemm(const at::Tensor& x, const PackedWeight& w) {
   const QuantizedRows xq{codes.data(), scales.data(), sums.data(), K};
   at::Tensor y = at::empty({M, w.N}, x.options());
   const Output out{y.data_ptr<float>(), false};
-  const int64_t blocks = column_blocks(w);
   run_in_team(at::get_num_threads(), [&](Team::Member& me) {
     me.share(M, 1, [&](int64_t r) { quantize_row(xp + r * K, K, xq, r); });
-    me.share(blocks, claim_size(blocks, me.members()), [&](int64_t b) { column_block(w, xq, M, b, out); });
+    multiply(me, w, xq, M, out);
   });
   return y;
+}
+
+void check_tiles(const at::Tensor& tiles, PackedWeight::Format format, int64_t N, int64_t K) {
+  TORCH_CHECK(K % kGroup == 0, "the inputs must be a multiple of 32, got ", K);
+  const int64_t tile_count = (N + kTileColumns - 1) / kTileColumns;
+  TORCH_CHECK(tiles.scalar_type() == at::kByte && tiles.is_contiguous() &&
+                  tiles.sizes() == at::IntArrayRef({tile_count, K / kGroup, record_bytes(format)}),
+              "tiles must be a contiguous uint8 [", tile_count, ", ", K / kGroup, ", ", record_bytes(format),
+              "] tensor (packed_gemm.h)");
 }
 
 }  // namespace
@@ -200,35 +208,33 @@ void quantize_row(const float* x, int64_t K, const QuantizedRows& q, int64_t row
   }
 }
 
-int64_t column_blocks(const PackedWeight& w) { return (w.N + kColumnBlock - 1) / kColumnBlock; }
-
-void column_block(const PackedWeight& w, const QuantizedRows& x, int64_t M, int64_t block, const Output& out) {
-  const int64_t n = block * kColumnBlock, columns = std::min(kColumnBlock, w.N - n);
-  if (w.format == PackedWeight::Format::kQ4) {
-    block_of<Q4>(w, x, M, n, columns, out);
-  } else {
-    block_of<Q8>(w, x, M, n, columns, out);
-  }
+void multiply(Team::Member& me, const PackedWeight& w, const QuantizedRows& x, int64_t M, const Output& out) {
+  const int64_t blocks = (w.N + kColumnBlock - 1) / kColumnBlock;
+  me.share(blocks, claim_size(blocks, me.members()), [&](int64_t block) {
+    const int64_t n = block * kColumnBlock, columns = std::min(kColumnBlock, w.N - n);
+    if (w.format == PackedWeight::Format::kQ4) {
+      block_of<Q4>(w, x, M, n, columns, out);
+    } else {
+      block_of<Q8>(w, x, M, n, columns, out);
+    }
+  });
 }
 
-void check_tiles(const at::Tensor& tiles, PackedWeight::Format format, int64_t N, int64_t K) {
-  TORCH_CHECK(K % kGroup == 0, "the inputs must be a multiple of 32, got ", K);
-  const int64_t tile_count = (N + kTileColumns - 1) / kTileColumns;
-  TORCH_CHECK(tiles.scalar_type() == at::kByte && tiles.is_contiguous() &&
-                  tiles.sizes() == at::IntArrayRef({tile_count, K / kGroup, record_bytes(format)}),
-              "tiles must be a contiguous uint8 [", tile_count, ", ", K / kGroup, ", ", record_bytes(format),
-              "] tensor (packed_gemm.h)");
+PackedWeight q4_weight(const at::Tensor& tiles, const at::Tensor& mins, const at::Tensor& bias, int64_t N, int64_t K) {
+  check_tiles(tiles, PackedWeight::Format::kQ4, N, K);
+  TORCH_CHECK(mins.scalar_type() == at::kFloat && mins.is_contiguous() &&
+                  mins.sizes() == at::IntArrayRef({N, K / kGroup}),
+              "mins must be a contiguous float32 [", N, ", ", K / kGroup, "] tensor");
+  TORCH_CHECK(!bias.defined() || (bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.numel() == N),
+              "the bias must be a contiguous float32 [", N, "] tensor");
+  return PackedWeight{PackedWeight::Format::kQ4, tiles.data_ptr<uint8_t>(), mins.data_ptr<float>(),
+                      bias.defined() ? bias.data_ptr<float>() : nullptr, N, K};
 }
 
 at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& mins) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be a 2-D float32 tensor");
-  TORCH_CHECK(mins.dim() == 2 && mins.scalar_type() == at::kFloat && mins.is_contiguous(),
-              "mins must be a contiguous float32 [N, K / 32] tensor");
-  const int64_t K = x.size(1), N = mins.size(0);
-  check_tiles(tiles, PackedWeight::Format::kQ4, N, K);
-  TORCH_CHECK(mins.size(1) == K / kGroup, "mins must be [N, K / 32]");
-  return gemm(x, PackedWeight{PackedWeight::Format::kQ4, tiles.data_ptr<uint8_t>(), mins.data_ptr<float>(),
-                              nullptr, N, K});
+  TORCH_CHECK(mins.dim() == 2, "mins must be a [N, K / 32] tensor");
+  return gemm(x, q4_weight(tiles, mins, at::Tensor(), mins.size(0), x.size(1)));
 }
 
 at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& tiles, int64_t N) {

@@ -5,6 +5,8 @@
 
 #include <cstdint>
 
+#include "team.h"
+
 namespace stepahead_cpu {
 
 constexpr int64_t kGroup = 32;        // inputs per weight scale and per activation scale
@@ -45,8 +47,9 @@ constexpr int64_t record_bytes(PackedWeight::Format format) {
   return kTileColumns * (format == PackedWeight::Format::kQ4 ? kGroup / 2 : kGroup) + kTileColumns * 4;
 }
 
-// Fails unless tiles is a contiguous uint8 tensor laid out as above for W [N, K].
-void check_tiles(const at::Tensor& tiles, PackedWeight::Format format, int64_t N, int64_t K);
+// The kernels' view of a 4-bit weight W [N, K]: tiles laid out as above, mins [N, K / 32] float32, and
+// bias [N] float32 or undefined for none; fails unless the tensors are so.
+PackedWeight q4_weight(const at::Tensor& tiles, const at::Tensor& mins, const at::Tensor& bias, int64_t N, int64_t K);
 
 // Where a block's outputs go: y[m, n] for m < M, row stride N; accumulate adds them to what y holds
 // (a residual stream), as torch's y + projection would.
@@ -55,10 +58,8 @@ struct Output {
   bool accumulate;
 };
 
-int64_t column_blocks(const PackedWeight& w);
-
-// Columns [block * 16, block * 16 + 16) of M quantized rows times W^T, rounded to bfloat16 values,
-// plus the bias.
-void column_block(const PackedWeight& w, const QuantizedRows& x, int64_t M, int64_t block, const Output& out);
+// M quantized rows times W^T, rounded to bfloat16 values, plus the bias: one phase of the team, its
+// items blocks of 16 columns.
+void multiply(Team::Member& me, const PackedWeight& w, const QuantizedRows& x, int64_t M, const Output& out);
 
 }  // namespace stepahead_cpu

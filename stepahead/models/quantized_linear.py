@@ -81,7 +81,7 @@ class Int4Linear(_PackedBase):
             raise ValueError("Int4Linear needs 4-bit codes with per-group offsets")
         super().__init__(*weight.shape, bias)
         self.group_size = weight.group_size
-        self.kernel = "stepahead" if self.group_size == cpu_packed.GROUP and cpu_packed.available() else "torch"
+        self.kernel = cpu_packed.kernel_for(self.group_size)
         if self.kernel == "stepahead":
             self.register_buffer("tiles", cpu_packed.tile_q4(cpu_packed.pack_codes(weight.q), weight.scales))
             self.register_buffer("mins", weight.mins.float().contiguous())
@@ -103,7 +103,7 @@ class Int4Linear(_PackedBase):
         """The [out, in] float32 weight the kernel multiplies with."""
         if self.kernel == "stepahead":
             code_bytes, scales = cpu_packed.untile(self.tiles, self.out_features)
-            codes = cpu_packed.unpack_codes(code_bytes.reshape(self.out_features, -1))
+            codes = cpu_packed.unpack_codes(code_bytes)
             return GroupQuantWeight(codes, scales, self.mins, self.group_size, 4).dequantize()
         # torch's kernel through an identity input: its weight with bf16 scales and zeros.
         eye = torch.eye(self.in_features, dtype=KERNEL_DTYPE)
@@ -117,7 +117,7 @@ class Int4Linear(_PackedBase):
 class Int8Linear(_PackedBase):
     def __init__(self, weight: GroupQuantWeight, bias: torch.Tensor | None = None) -> None:
         super().__init__(*weight.shape, bias)
-        self.kernel = "stepahead" if weight.group_size == cpu_packed.GROUP and cpu_packed.available() else "torch"
+        self.kernel = cpu_packed.kernel_for(weight.group_size)
         if self.kernel == "stepahead":  # GGUF's Q8_0 blocks, in tiles of four columns
             self.register_buffer("tiles", cpu_packed.tile_q8(weight.q, weight.scales))
             return
@@ -133,7 +133,7 @@ class Int8Linear(_PackedBase):
     def dequantized_weight(self) -> torch.Tensor:
         if self.kernel == "stepahead":
             code_bytes, scales = cpu_packed.untile(self.tiles, self.out_features)
-            codes = code_bytes.reshape(self.out_features, -1).view(torch.int8)
+            codes = code_bytes.view(torch.int8)
             return GroupQuantWeight(codes, scales, None, cpu_packed.GROUP, 8).dequantize()
         return self.qweight.float() * self.scales.float().unsqueeze(1)
 
