@@ -1,23 +1,29 @@
-// y = x @ W^T for W held as 4-bit or 8-bit codes in GGUF's block layouts, on x86 CPUs with AVX2, with
+// y = x @ W^T for W held as GGUF's 4-bit or 8-bit codes and scales (Q4_0, Q4_1, Q8_0), on x86 CPUs with AVX2, with
 // integer dot products (as llama.cpp multiplies its Q4 and Q8 codes, but with 16-bit activations, not
 // 8-bit).
 //
-// W is [N, K] in groups of 32 consecutive inputs, each with a float32 scale, in tiles of four columns
-// (packed_gemm.h). 4-bit (int4_gemm): w = q * scale + min with codes 0..15 and mins [N, K / 32]. 8-bit
-// (int8_gemm, GGUF's Q8_0): w = q * scale with int8 codes. Each row of x is quantized per group of 32
-// to int16 codes qx with one scale dx = max|x| / 32767, so a group's product is
+// W is [N, K] in groups of 32 consecutive inputs, each with a float32 scale, in tiles of eight columns
+// (packed_gemm.h). 4-bit (int4_gemm): w = q * scale + min with codes 0..15. 8-bit (int8_gemm, GGUF's
+// Q8_0): w = q * scale with int8 codes. Each row of x is quantized per group of 32 to int16 codes qx
+// with one scale dx = max|x| / 32767, so a group's product is
 //     sum(w * x) = scale * dx * sum(q * qx) + min * dx * sum(qx)
-// where sum(q * qx) is exact in int32 (vpmaddwd) and in float (each lane's sum stays under 2^24).
 // Activations are rounded to bfloat16 values before they are quantized (see quantize_row), and
 // 15-bit codes keep that precision (8-bit ones, as llama.cpp's, tripled the built-in model's logit
 // error against fp32). Outputs are rounded to bfloat16 values, as torch's weight-only kernels round
 // theirs.
 //
+// The vector lanes are output columns: a tile's codes for one pair of inputs are one vector of 16
+// int16 (eight columns by two inputs), and vpmaddwd with the pair's two activation codes broadcast
+// adds both products into each column's int32 lane. A group's integer sum sum(q * qx) is then exact
+// and complete in its lane, converted to float once and scaled once. (Lanes along the inputs, the
+// first layout, paid a conversion, a scale and a horizontal sum per column and group: twice the
+// instructions per multiply-add.)
+//
 // A row's result does not depend on its batch: its quantization uses its own values only, the integer
 // sums are exact, and the float accumulation over groups always runs in the same order, whatever the
 // number of rows and wherever the row sits, and whichever thread computes it. Rows are taken four at a
-// time so the unpacked codes of a group are reused from registers (the last one to three rows four
-// columns at a time, so a one-row call keeps enough loads in flight), and a work item is a block of
+// time so the unpacked codes of a pair are reused from registers (the last one to three rows two
+// tiles at a time, so a one-row call keeps enough loads in flight), and a work item is a block of
 // columns whose codes and four rows of activations stay in L1.
 
 #include <ATen/Parallel.h>
@@ -52,98 +58,119 @@ inline float round_to_bf16(float v) {
 
 constexpr float kCodeMax = 32767.f;
 
-// The weight formats, each a group of 32 codes unpacked as two vectors of 16 int16 (elements 0..15
-// and 16..31). Q4: 16 bytes of nibbles (element j low, j + 16 high), w = q * scale + min. Q8 (GGUF's
-// Q8_0 blocks): 32 signed bytes, w = q * scale; |q| <= 128 keeps a group's int32 lanes, four products
-// each, under 4 * 128 * 32767 < 2^24, so still exact in float.
+// The weight formats. A record's codes are chunks of 32 bytes, each read as 16 int16 lanes: lane
+// 2c + e of chunk j holds, in its slot s (kSlots per lane), the code of the tile's column c at input
+// 2 * (kSlots * j + s) + e of the group, so that `unpack(chunk, s)` gives the codes of one pair of
+// inputs for the eight columns, as vpmaddwd multiplies them with the pair's activation codes.
+// Q4: nibbles, codes 0..15, w = q * scale + min. Q8 (GGUF's Q8_0 blocks): signed bytes, w = q * scale.
 struct Q4 {
   static constexpr PackedWeight::Format kFormat = PackedWeight::Format::kQ4;
-  static constexpr int64_t kGroupBytes = kGroup / 2;
+  static constexpr int kSlots = 4;
   static constexpr bool kHasMins = true;
-  static void unpack(const uint8_t* codes, __m256i& lo, __m256i& hi) {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
-    const __m128i mask = _mm_set1_epi8(0x0f);
-    lo = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, mask));
-    hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
+  static __m256i unpack(__m256i chunk, int s) {
+    if (s == 3) return _mm256_srli_epi16(chunk, 12);
+    return _mm256_and_si256(_mm256_srli_epi16(chunk, 4 * s), _mm256_set1_epi16(0x0f));
   }
 };
 
 struct Q8 {
   static constexpr PackedWeight::Format kFormat = PackedWeight::Format::kQ8;
-  static constexpr int64_t kGroupBytes = kGroup;
+  static constexpr int kSlots = 2;
   static constexpr bool kHasMins = false;
-  static void unpack(const uint8_t* codes, __m256i& lo, __m256i& hi) {
-    lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
-    hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16)));
+  static __m256i unpack(__m256i chunk, int s) {
+    if (s == 0) return _mm256_srai_epi16(_mm256_slli_epi16(chunk, 8), 8);
+    return _mm256_srai_epi16(chunk, 8);
   }
 };
 
-// sum(q * qx) over a group as 8 int32 lanes converted to float (exact: |sum| < 2^24).
-inline __m256 group_dot(__m256i w_lo, __m256i w_hi, const int16_t* qx) {
-  const __m256i x_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx));
-  const __m256i x_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + 16));
-  return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(w_lo, x_lo), _mm256_madd_epi16(w_hi, x_hi)));
+// round_to_bf16 in each lane.
+inline __m256 round_to_bf16(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_and_si256(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))),
+                                           _mm256_set1_epi32(static_cast<int>(0xffff0000u)));
+  const __m256i exponent = _mm256_set1_epi32(0x7f800000);
+  const __m256i special = _mm256_cmpeq_epi32(_mm256_and_si256(bits, exponent), exponent);
+  return _mm256_castsi256_ps(_mm256_blendv_epi8(rounded, bits, special));
 }
 
-// y[row .. row + R) x [n .. n + C), C dividing four and n a multiple of C: columns of one tile.
+// y[row .. row + R) x the columns of tiles t .. t + C (eight each, lanes = columns). Per group, the
+// integer sums sum(q * qx) of each (row, column) build up in int32 lanes (exact: under 2^31; for 4-bit
+// codes under 2^24, so the conversion to float is exact too), then go into the float sums as
+// sum * (scale * dx), plus min * dx * sum(qx) for 4-bit codes, group after group.
 template <typename F, int R, int C>
-void tile(const QuantizedRows& xq, int64_t row, const PackedWeight& w, const Output& out, int64_t n) {
-  constexpr int64_t kRecord = record_bytes(F::kFormat), kScales = kTileColumns * F::kGroupBytes;
-  const int64_t K = w.K, groups = K / kGroup, x_groups = xq.row_stride / kGroup;
-  const uint8_t* records = w.tiles + (n / kTileColumns) * groups * kRecord;
-  const int64_t first = n % kTileColumns;
+void tile(const QuantizedRows& xq, int64_t row, const PackedWeight& w, const Output& out, int64_t t) {
+  constexpr int64_t kRecord = record_bytes(F::kFormat), kCodeBytes = kRecord - kTileColumns * 4;
+  const int64_t groups = w.K / kGroup, x_groups = xq.row_stride / kGroup;
+  const uint8_t* tiles = w.tiles + t * groups * kRecord;
   __m256 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* record = records + g * kRecord;
-    const float* scales = reinterpret_cast<const float*>(record + kScales);
-    __m256i w_lo[C], w_hi[C];
-    __m256 wscale[C];
-    for (int c = 0; c < C; ++c) {
-      F::unpack(record + (first + c) * F::kGroupBytes, w_lo[c], w_hi[c]);
-      wscale[c] = _mm256_set1_ps(scales[first + c]);
-    }
-    for (int r = 0; r < R; ++r) {
-      const int16_t* qx = xq.codes + (row + r) * xq.row_stride + g * kGroup;
-      const __m256 dx = _mm256_set1_ps(xq.scales[(row + r) * x_groups + g]);
+    const int16_t* qx = xq.codes + row * xq.row_stride + g * kGroup;
+    __m256i sums[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) sums[r][c] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int j = 0; j < kCodeBytes / 32; ++j) {
+      __m256i chunk[C];
       for (int c = 0; c < C; ++c)
-        acc[r][c] = _mm256_fmadd_ps(group_dot(w_lo[c], w_hi[c], qx), _mm256_mul_ps(wscale[c], dx), acc[r][c]);
+        chunk[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tiles + (c * groups + g) * kRecord + 32 * j));
+#pragma GCC unroll 4
+      for (int s = 0; s < F::kSlots; ++s) {
+        __m256i w[C];
+        for (int c = 0; c < C; ++c) w[c] = F::unpack(chunk[c], s);
+        for (int r = 0; r < R; ++r) {
+          int32_t pair;  // the activation codes of inputs 2 * (kSlots * j + s) and the next
+          std::memcpy(&pair, qx + r * xq.row_stride + 2 * (F::kSlots * j + s), sizeof(pair));
+          const __m256i x = _mm256_set1_epi32(pair);
+          for (int c = 0; c < C; ++c) sums[r][c] = _mm256_add_epi32(sums[r][c], _mm256_madd_epi16(w[c], x));
+        }
+      }
+    }
+    for (int c = 0; c < C; ++c) {
+      const __m256 scales = _mm256_loadu_ps(reinterpret_cast<const float*>(tiles + (c * groups + g) * kRecord + kCodeBytes));
+      for (int r = 0; r < R; ++r) {
+        const int64_t x_group = (row + r) * x_groups + g;
+        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r][c]),
+                                    _mm256_mul_ps(scales, _mm256_set1_ps(xq.scales[x_group])), acc[r][c]);
+        if constexpr (F::kHasMins)
+          acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(w.mins + ((t + c) * groups + g) * kTileColumns),
+                                      _mm256_set1_ps(xq.sums[x_group]), acc[r][c]);
+      }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    const float* sums = xq.sums + (row + r) * x_groups;
-    for (int c = 0; c < C; ++c) {
-      const float offset = F::kHasMins ? dot(w.mins + (n + c) * groups, sums, groups) : 0.f;
-      float v = round_to_bf16(sum_lanes(acc[r][c]) + offset);
-      if (w.bias != nullptr) v = v + w.bias[n + c];
-      float& y = out.y[(row + r) * w.N + n + c];
-      y = out.accumulate ? y + v : v;
+  for (int c = 0; c < C; ++c) {
+    const int64_t n = (t + c) * kTileColumns, columns = std::min(kTileColumns, w.N - n);
+    if (columns <= 0) break;
+    for (int r = 0; r < R; ++r) {
+      alignas(32) float v[kTileColumns];
+      _mm256_store_ps(v, round_to_bf16(acc[r][c]));
+      float* y = out.y + (row + r) * w.N + n;
+      for (int64_t i = 0; i < columns; ++i) {
+        const float value = w.bias != nullptr ? v[i] + w.bias[n + i] : v[i];
+        y[i] = out.accumulate ? y[i] + value : value;
+      }
     }
   }
 }
 
 using TileFn = void (*)(const QuantizedRows&, int64_t, const PackedWeight&, const Output&, int64_t);
 
-// y[:, n .. n + columns) for one block of columns: four rows by two columns where there are four
-// rows, then the last rows.
+// y[:, columns of tiles t .. t + count): four rows by one tile where there are four rows, then the
+// last one to three rows by two tiles (more loads in flight for a one-row step).
 template <typename F>
-void block_of(const PackedWeight& w, const QuantizedRows& xq, int64_t M, int64_t n, int64_t columns,
+void block_of(const PackedWeight& w, const QuantizedRows& xq, int64_t M, int64_t t, int64_t count,
               const Output& out) {
-  constexpr TileFn few_rows_four_columns[4] = {nullptr, tile<F, 1, 4>, tile<F, 2, 4>, tile<F, 3, 4>};
-  constexpr TileFn few_rows[4] = {nullptr, tile<F, 1, 2>, tile<F, 2, 2>, tile<F, 3, 2>};
-  constexpr TileFn few_rows_one_column[4] = {nullptr, tile<F, 1, 1>, tile<F, 2, 1>, tile<F, 3, 1>};
+  constexpr TileFn two_tiles[4] = {nullptr, tile<F, 1, 2>, tile<F, 2, 2>, tile<F, 3, 2>};
+  constexpr TileFn one_tile[4] = {nullptr, tile<F, 1, 1>, tile<F, 2, 1>, tile<F, 3, 1>};
   int64_t row = 0;
-  for (; row + 4 <= M; row += 4) {
-    int64_t c = 0;
-    for (; c + 2 <= columns; c += 2) tile<F, 4, 2>(xq, row, w, out, n + c);
-    if (c < columns) tile<F, 4, 1>(xq, row, w, out, n + c);
-  }
+  for (; row + 4 <= M; row += 4)
+    for (int64_t i = 0; i < count; ++i) tile<F, 4, 1>(xq, row, w, out, t + i);
   if (row == M) return;
-  int64_t c = 0;
-  for (; c + 4 <= columns; c += 4) few_rows_four_columns[M - row](xq, row, w, out, n + c);
-  for (; c + 2 <= columns; c += 2) few_rows[M - row](xq, row, w, out, n + c);
-  if (c < columns) few_rows_one_column[M - row](xq, row, w, out, n + c);
+  int64_t i = 0;
+  for (; i + 2 <= count; i += 2) two_tiles[M - row](xq, row, w, out, t + i);
+  if (i < count) one_tile[M - row](xq, row, w, out, t + i);
 }
 
 // y = x W^T: the rows quantized, then the column blocks, shared by the threads of one region.
@@ -209,32 +236,34 @@ void quantize_row(const float* x, int64_t K, const QuantizedRows& q, int64_t row
 }
 
 void multiply(Team::Member& me, const PackedWeight& w, const QuantizedRows& x, int64_t M, const Output& out) {
-  const int64_t blocks = (w.N + kColumnBlock - 1) / kColumnBlock;
+  constexpr int64_t kTilesPerBlock = kColumnBlock / kTileColumns;
+  const int64_t tiles = (w.N + kTileColumns - 1) / kTileColumns, blocks = (tiles + kTilesPerBlock - 1) / kTilesPerBlock;
   me.share(blocks, claim_size(blocks, me.members()), [&](int64_t block) {
-    const int64_t n = block * kColumnBlock, columns = std::min(kColumnBlock, w.N - n);
+    const int64_t t = block * kTilesPerBlock, count = std::min(kTilesPerBlock, tiles - t);
     if (w.format == PackedWeight::Format::kQ4) {
-      block_of<Q4>(w, x, M, n, columns, out);
+      block_of<Q4>(w, x, M, t, count, out);
     } else {
-      block_of<Q8>(w, x, M, n, columns, out);
+      block_of<Q8>(w, x, M, t, count, out);
     }
   });
 }
 
 PackedWeight q4_weight(const at::Tensor& tiles, const at::Tensor& mins, const at::Tensor& bias, int64_t N, int64_t K) {
   check_tiles(tiles, PackedWeight::Format::kQ4, N, K);
+  const int64_t tile_count = (N + kTileColumns - 1) / kTileColumns;
   TORCH_CHECK(mins.scalar_type() == at::kFloat && mins.is_contiguous() &&
-                  mins.sizes() == at::IntArrayRef({N, K / kGroup}),
-              "mins must be a contiguous float32 [", N, ", ", K / kGroup, "] tensor");
+                  mins.sizes() == at::IntArrayRef({tile_count, K / kGroup, kTileColumns}),
+              "mins must be a contiguous float32 [", tile_count, ", ", K / kGroup, ", ", kTileColumns,
+              "] tensor (packed_gemm.h)");
   TORCH_CHECK(!bias.defined() || (bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.numel() == N),
               "the bias must be a contiguous float32 [", N, "] tensor");
   return PackedWeight{PackedWeight::Format::kQ4, tiles.data_ptr<uint8_t>(), mins.data_ptr<float>(),
                       bias.defined() ? bias.data_ptr<float>() : nullptr, N, K};
 }
 
-at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& mins) {
+at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& mins, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be a 2-D float32 tensor");
-  TORCH_CHECK(mins.dim() == 2, "mins must be a [N, K / 32] tensor");
-  return gemm(x, q4_weight(tiles, mins, at::Tensor(), mins.size(0), x.size(1)));
+  return gemm(x, q4_weight(tiles, mins, at::Tensor(), N, x.size(1)));
 }
 
 at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& tiles, int64_t N) {

@@ -24,13 +24,14 @@ struct QuantizedRows {
 // Row `row` of x (K floats, K a multiple of 32) into q.
 void quantize_row(const float* x, int64_t K, const QuantizedRows& q, int64_t row);
 
-// W [N, K] in GGUF's 4-bit codes with scales and mins (Q4_1's values) or 8-bit codes with scales
-// (Q8_0's), laid out in tiles of four columns: for each tile, for each group of 32 inputs, one record of
-// the four columns' codes (a column's 16 bytes of nibbles, byte j holding element j low and j + 16
-// high; or its 32 signed bytes) followed by their four float32 scales. Records and tiles follow each
-// other, so a thread reads its columns as one sequential stream (a one-row step reads weights at
-// memory speed only when the prefetchers see long streams). N is padded to a multiple of four with
-// zeros. Q4's mins stay [N, K / 32], read once per column.
+// W [N, K] as GGUF's 4-bit codes with scales and mins (Q4_1's values) or 8-bit codes with scales
+// (Q8_0's), laid out in tiles of eight columns: for each tile, for each group of 32 inputs, one record
+// of the eight columns' codes, interleaved so that a 32-byte load holds the codes of 2, 4 (Q4) or 4, 8
+// (Q8) pairs of inputs for all eight columns (packed_gemm.cpp, Q4 and Q8), followed by their eight
+// float32 scales. Records and tiles follow each other, so a thread reads its columns as one
+// sequential stream (a one-row step reads weights at memory speed only when the prefetchers see long
+// streams). N is padded to a multiple of eight with zeros. Q4's mins are [N / 8, K / 32, 8] float32:
+// per tile and group, the eight columns' mins.
 struct PackedWeight {
   enum class Format { kQ4, kQ8 };
   Format format;
@@ -40,14 +41,14 @@ struct PackedWeight {
   int64_t N, K;
 };
 
-constexpr int64_t kTileColumns = 4;
+constexpr int64_t kTileColumns = 8;
 
 // Bytes of one tile's record for one group.
 constexpr int64_t record_bytes(PackedWeight::Format format) {
   return kTileColumns * (format == PackedWeight::Format::kQ4 ? kGroup / 2 : kGroup) + kTileColumns * 4;
 }
 
-// The kernels' view of a 4-bit weight W [N, K]: tiles laid out as above, mins [N, K / 32] float32, and
+// The kernels' view of a 4-bit weight W [N, K]: tiles and mins laid out as above, and
 // bias [N] float32 or undefined for none; fails unless the tensors are so.
 PackedWeight q4_weight(const at::Tensor& tiles, const at::Tensor& mins, const at::Tensor& bias, int64_t N, int64_t K);
 
@@ -59,7 +60,7 @@ struct Output {
 };
 
 // M quantized rows times W^T, rounded to bfloat16 values, plus the bias: one phase of the team, its
-// items blocks of 16 columns.
+// items blocks of 16 columns (two tiles).
 void multiply(Team::Member& me, const PackedWeight& w, const QuantizedRows& x, int64_t M, const Output& out);
 
 }  // namespace stepahead_cpu

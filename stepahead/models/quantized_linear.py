@@ -1,10 +1,10 @@
 """Linear layers whose weights stay packed, run with weight-only CPU kernels.
 
 - Int4Linear: 4-bit codes with a scale and an offset per group of inputs (GGUF Q4_0/Q4_1, or
-  --quantization int4). With groups of 32 on an AVX2 CPU it keeps GGUF's blocks, in tiles of four
-  columns that a thread reads as one stream (kernels/packed_gemm.h), and runs stepahead's own kernel
-  (kernels/packed_gemm.cpp: activations quantized to 16-bit integers per group of 32, exact integer
-  dot products; 1.2-1.6x torch's kernel at 32 rows). Otherwise the codes are packed
+  --quantization int4). With groups of 32 on an AVX2 CPU it keeps GGUF's codes and scales, in tiles
+  of eight columns that a thread reads as one stream (kernels/packed_gemm.h), and runs stepahead's own
+  kernel (kernels/packed_gemm.cpp: activations quantized to 16-bit integers per group of 32, exact
+  integer dot products). Otherwise the codes are packed
   by `torch._convert_weight_to_int4pack_for_cpu` and multiplied by `torch._weight_int4pack_mm_for_cpu`,
   which computes  (q - 8) * scale + zero  per group (a code's offset `min` becomes
   zero = min + 8 * scale) on bfloat16 activations.
@@ -83,8 +83,8 @@ class Int4Linear(_PackedBase):
         self.group_size = weight.group_size
         self.kernel = cpu_packed.kernel_for(self.group_size)
         if self.kernel == "stepahead":
-            self.register_buffer("tiles", cpu_packed.tile_q4(cpu_packed.pack_codes(weight.q), weight.scales))
-            self.register_buffer("mins", weight.mins.float().contiguous())
+            self.register_buffer("tiles", cpu_packed.tile_q4(weight.q, weight.scales))
+            self.register_buffer("mins", cpu_packed.tile_mins(weight.mins))
             return
         packed = torch._convert_weight_to_int4pack_for_cpu(weight.q.to(torch.int32).contiguous(), 1)
         zeros = weight.mins + 8 * weight.scales
@@ -95,16 +95,16 @@ class Int4Linear(_PackedBase):
 
     def _packed_mm(self, flat: torch.Tensor) -> torch.Tensor:
         if self.kernel == "stepahead":
-            return cpu_packed.int4_gemm(flat.float(), self.tiles, self.mins)
+            return cpu_packed.int4_gemm(flat.float(), self.tiles, self.mins, self.out_features)
         return torch._weight_int4pack_mm_for_cpu(flat.to(KERNEL_DTYPE), self.packed, self.group_size,
                                                  self.scales_zeros)
 
     def dequantized_weight(self) -> torch.Tensor:
         """The [out, in] float32 weight the kernel multiplies with."""
         if self.kernel == "stepahead":
-            code_bytes, scales = cpu_packed.untile(self.tiles, self.out_features)
-            codes = cpu_packed.unpack_codes(code_bytes)
-            return GroupQuantWeight(codes, scales, self.mins, self.group_size, 4).dequantize()
+            codes, scales = cpu_packed.untile(self.tiles, self.out_features)
+            mins = cpu_packed.untile_mins(self.mins, self.out_features)
+            return GroupQuantWeight(codes, scales, mins, self.group_size, 4).dequantize()
         # torch's kernel through an identity input: its weight with bf16 scales and zeros.
         eye = torch.eye(self.in_features, dtype=KERNEL_DTYPE)
         return torch._weight_int4pack_mm_for_cpu(eye, self.packed, self.group_size, self.scales_zeros).float().t()
@@ -118,7 +118,7 @@ class Int8Linear(_PackedBase):
     def __init__(self, weight: GroupQuantWeight, bias: torch.Tensor | None = None) -> None:
         super().__init__(*weight.shape, bias)
         self.kernel = cpu_packed.kernel_for(weight.group_size)
-        if self.kernel == "stepahead":  # GGUF's Q8_0 blocks, in tiles of four columns
+        if self.kernel == "stepahead":  # GGUF's Q8_0 blocks, in tiles of eight columns
             self.register_buffer("tiles", cpu_packed.tile_q8(weight.q, weight.scales))
             return
         rows = to_int8_rows(weight)  # torch's kernel takes one scale per row
@@ -132,8 +132,7 @@ class Int8Linear(_PackedBase):
 
     def dequantized_weight(self) -> torch.Tensor:
         if self.kernel == "stepahead":
-            code_bytes, scales = cpu_packed.untile(self.tiles, self.out_features)
-            codes = code_bytes.view(torch.int8)
+            codes, scales = cpu_packed.untile(self.tiles, self.out_features)
             return GroupQuantWeight(codes, scales, None, cpu_packed.GROUP, 8).dequantize()
         return self.qweight.float() * self.scales.float().unsqueeze(1)
 

@@ -39,7 +39,7 @@ def _reference(x, weight):
 
 
 def _args(weight):
-    return cpu_packed.tile_q4(cpu_packed.pack_codes(weight.q), weight.scales), weight.mins.contiguous()
+    return cpu_packed.tile_q4(weight.q, weight.scales), cpu_packed.tile_mins(weight.mins), weight.q.shape[0]
 
 
 @pytest.mark.parametrize("rows,out_features,in_features", [(1, 16, 32), (3, 37, 64), (5, 64, 96), (13, 50, 576),
@@ -68,26 +68,23 @@ def test_a_non_finite_activation_makes_its_row_nan_and_no_other():
     assert bool(y[1:].isnan().all()) and bool(y[0].isfinite().all())
 
 
-@pytest.mark.parametrize("out_features", [4, 37])  # 37: the last tile padded
+@pytest.mark.parametrize("out_features", [8, 37])  # 37: the last tile padded
 def test_tiles_hold_the_codes_and_scales_and_come_apart_again(out_features):
     weight, q8 = _weight(out_features, 96), _q8_0(out_features, 96)
-    codes = cpu_packed.pack_codes(weight.q)
-    tiles = cpu_packed.tile_q4(codes, weight.scales)
-    assert tiles.shape == ((out_features + 3) // 4, 3, 4 * 16 + 16)
-    assert tiles[0, 1, 16:32].equal(codes[1, 16:32])  # column 1's second group
-    assert tiles[0, 1, 64 + 4:64 + 8].view(torch.float32).item() == weight.scales[1, 1].item()
-    code_bytes, scales = cpu_packed.untile(tiles, out_features)
-    assert code_bytes.reshape(out_features, -1).equal(codes) and scales.equal(weight.scales.float())
-    code_bytes, scales = cpu_packed.untile(cpu_packed.tile_q8(q8.q, q8.scales), out_features)
-    assert code_bytes.reshape(out_features, -1).view(torch.int8).equal(q8.q) and scales.equal(q8.scales)
-
-
-def test_codes_pack_in_ggufs_block_layout():
-    q = torch.randint(0, 16, (3, 64), dtype=torch.uint8)
-    packed = cpu_packed.pack_codes(q)
-    assert packed.shape == (3, 32)
-    assert int(packed[1, 16 + 5]) == int(q[1, 32 + 5]) | (int(q[1, 32 + 21]) << 4)  # byte j: j low, j + 16 high
-    assert torch.equal(cpu_packed.unpack_codes(packed), q)
+    tiles = cpu_packed.tile_q4(weight.q, weight.scales)
+    assert tiles.shape == ((out_features + 7) // 8, 3, 8 * 16 + 32)
+    # group 1, chunk 2: int16 lane 2 * 3 + 1 (column 3, odd input) holds inputs 2 * (4 * 2 + slot) + 1
+    lane = int(tiles[0, 1, 64 + 14]) | int(tiles[0, 1, 64 + 15]) << 8
+    assert [(lane >> 4 * slot) & 15 for slot in range(4)] == [int(weight.q[3, 32 + 2 * (8 + s) + 1]) for s in range(4)]
+    assert tiles[0, 1, 128 + 4:128 + 8].view(torch.float32).item() == weight.scales[1, 1].item()
+    codes, scales = cpu_packed.untile(tiles, out_features)
+    assert codes.equal(weight.q.to(torch.uint8)) and scales.equal(weight.scales.float())
+    tiles = cpu_packed.tile_q8(q8.q, q8.scales)
+    assert tiles.shape == ((out_features + 7) // 8, 3, 8 * 32 + 32)
+    # group 2, chunk 5: lane 2 * 6 (column 6, even input); low byte input 2 * (2 * 5), high byte the next pair's
+    assert tiles[0, 2, 160 + 24:160 + 26].view(torch.int8).tolist() == [int(q8.q[6, 64 + 20]), int(q8.q[6, 64 + 22])]
+    codes, scales = cpu_packed.untile(tiles, out_features)
+    assert codes.equal(q8.q) and scales.equal(q8.scales)
 
 
 def test_a_row_is_computed_the_same_at_any_position_in_any_batch():
@@ -148,7 +145,7 @@ def _q8_0(out_features, in_features, seed=0):
 def test_the_8bit_kernel_computes_the_q8_0_product_row_by_row(rows, out_features, in_features):
     weight = _q8_0(out_features, in_features)
     x = torch.randn(rows, in_features) * 3
-    x[0, -32:] = 1000.0  # a group at the codes' extremes: each lane's integer sum stays exact in float
+    x[0, -32:] = 1000.0  # a group at the codes' extremes: a sum past 2^24 is rounded once, within a bf16 step
     tiles = cpu_packed.tile_q8(weight.q, weight.scales)
     y = cpu_packed.int8_gemm(x, tiles, out_features)
     ref = _reference(x, weight)
