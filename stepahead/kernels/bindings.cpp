@@ -16,6 +16,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_gemm", &stepahead_cpu::int8_gemm, no_gil);
   m.def("rms_norm", &stepahead_cpu::rms_norm, no_gil);
   m.def("silu_mul", &stepahead_cpu::silu_mul, no_gil);
+  m.def("round_to_bf16_", &stepahead_cpu::round_to_bf16_, no_gil);
   m.def("rotary_embedding", &stepahead_cpu::rotary_embedding, no_gil);
   m.def("paged_decode_attention", &stepahead_cpu::paged_decode_attention, no_gil);
   py::class_<stepahead_cpu::DecodeStack>(m, "DecodeStack")

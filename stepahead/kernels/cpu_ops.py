@@ -42,6 +42,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return _op("silu_mul")(flat).view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
 
 
+def round_to_bf16_(x: torch.Tensor) -> None:
+    """x's values (float32, contiguous) rounded to bfloat16 values in place: x.to(bfloat16).float()
+    for every finite value, in one pass."""
+    _op("round_to_bf16_")(x)
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, out: torch.Tensor) -> None:
     """Attention of one new token per row over its seq_lens[row] keys in the head-major paged cache

@@ -20,6 +20,9 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 // Rotate-half rope of x [tokens, heads, head_dim] in place by cos_sin [tokens, 2, head_dim] (rope.cpp).
 void rotary_embedding(at::Tensor& x, const at::Tensor& cos_sin);
 
+// x's float32 values rounded to bfloat16 values in place (round_bf16.cpp); x contiguous.
+void round_to_bf16_(at::Tensor& x);
+
 // silu(gate) * up for gate_up [rows, 2 * features] holding gate then up in each row (silu_mul.cpp).
 at::Tensor silu_mul(const at::Tensor& gate_up);
 

@@ -46,16 +46,6 @@ namespace stepahead_cpu {
 
 namespace {
 
-inline float round_to_bf16(float v) {
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof(bits));
-  if ((bits & 0x7f800000u) == 0x7f800000u) return v;  // inf and nan stay as they are
-  bits += 0x7fffu + ((bits >> 16) & 1u);                // round to nearest, ties to even
-  bits &= 0xffff0000u;
-  std::memcpy(&v, &bits, sizeof(bits));
-  return v;
-}
-
 constexpr float kCodeMax = 32767.f;
 
 // The weight formats. A record's codes are chunks of 32 bytes, each read as 16 int16 lanes: lane
@@ -82,17 +72,6 @@ struct Q8 {
     return _mm256_srai_epi16(chunk, 8);
   }
 };
-
-// round_to_bf16 in each lane.
-inline __m256 round_to_bf16(__m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i rounded = _mm256_and_si256(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))),
-                                           _mm256_set1_epi32(static_cast<int>(0xffff0000u)));
-  const __m256i exponent = _mm256_set1_epi32(0x7f800000);
-  const __m256i special = _mm256_cmpeq_epi32(_mm256_and_si256(bits, exponent), exponent);
-  return _mm256_castsi256_ps(_mm256_blendv_epi8(rounded, bits, special));
-}
 
 // y[row .. row + R) x the columns of tiles t .. t + C (eight each, lanes = columns). Per group, the
 // integer sums sum(q * qx) of each (row, column) build up in int32 lanes (exact: under 2^31; for 4-bit

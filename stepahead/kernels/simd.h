@@ -5,8 +5,32 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 namespace stepahead_cpu {
+
+// v rounded to the nearest bfloat16 value, ties to even, kept in a float (torch's float -> bfloat16
+// conversion for every finite value); inf and NaN stay as they are.
+inline float round_to_bf16(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  if ((bits & 0x7f800000u) == 0x7f800000u) return v;
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  bits &= 0xffff0000u;
+  std::memcpy(&v, &bits, sizeof(bits));
+  return v;
+}
+
+// round_to_bf16 in each lane.
+inline __m256 round_to_bf16(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_and_si256(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))),
+                                           _mm256_set1_epi32(static_cast<int>(0xffff0000u)));
+  const __m256i exponent = _mm256_set1_epi32(0x7f800000);
+  const __m256i special = _mm256_cmpeq_epi32(_mm256_and_si256(bits, exponent), exponent);
+  return _mm256_castsi256_ps(_mm256_blendv_epi8(rounded, bits, special));
+}
 
 // The eight lanes of v added pairwise, always in the same order.
 inline float sum_lanes(__m256 v) {

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from stepahead.kernels import cpu_build, cpu_ops
+
 ROW_TILE = 16
 # Row counts rows_are_invariant compares (steps of more rows are assumed to behave like 512).
 CHECKED_ROW_COUNTS = (16, 48, 128, 512)
@@ -58,10 +60,16 @@ def dense_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     ACTIVATION_ROUNDING, bias added after), one GEMM call with n padded by zero rows to a multiple of ROW_TILE."""
     n = x.shape[0]
     pad = -n % ROW_TILE
-    rounded = x.new_zeros(n + pad, x.shape[1])
-    rounded[:n] = x.to(ACTIVATION_ROUNDING)
-    y = F.linear(rounded, weight)[:n]
-    y = y.to(ACTIVATION_ROUNDING).to(x.dtype)
+    if x.dtype == torch.float32 and cpu_build.available():  # the same rounding in place, without copies
+        rounded = torch.cat((x, x.new_zeros(pad, x.shape[1])))
+        cpu_ops.round_to_bf16_(rounded)
+        y = F.linear(rounded, weight)[:n]
+        cpu_ops.round_to_bf16_(y)
+    else:
+        rounded = x.new_zeros(n + pad, x.shape[1])
+        rounded[:n] = x.to(ACTIVATION_ROUNDING)
+        y = F.linear(rounded, weight)[:n]
+        y = y.to(ACTIVATION_ROUNDING).to(x.dtype)
     return y if bias is None else y + bias
 
 

@@ -57,3 +57,16 @@ def test_silu_mul_at_the_ends_of_the_exponential():
                           1e-30]])
     out = cpu_ops.silu_mul(torch.cat((gate, torch.full_like(gate, 2.0)), dim=-1))
     torch.testing.assert_close(out, F.silu(gate) * 2, rtol=3e-7, atol=1e-30, equal_nan=True)
+
+
+def test_round_to_bf16_is_torchs_conversion_in_place():
+    torch.manual_seed(0)
+    x = torch.randn(37, 1000) * torch.logspace(-45, 38, 1000)  # subnormals to near float's limit
+    x[0, :6] = torch.tensor([float("inf"), float("-inf"), 0.0, -0.0, 3.4e38, 1e-40])  # 3.4e38 rounds to inf
+    rounded = x.clone()
+    cpu_ops.round_to_bf16_(rounded)
+    assert torch.equal(rounded, x.to(torch.bfloat16).float())
+    assert torch.equal(rounded.view(torch.int32)[0, 3], torch.tensor(-0.0).view(torch.int32))
+    nan = torch.tensor([float("nan"), 1.0])
+    cpu_ops.round_to_bf16_(nan)
+    assert bool(nan[0].isnan()) and nan[1].item() == 1.0

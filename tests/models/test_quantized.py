@@ -9,7 +9,7 @@ import torch
 
 from stepahead.bench.full_forward import sequence_logits
 from stepahead.kernels import cpu_build
-from stepahead.models import quantized_loader
+from stepahead.models import prompt_rows, quantized_loader
 from stepahead.models.loader import load_model, load_model_config
 from stepahead.models.prompt_rows import ALL_PROMPT_ROWS, PromptRows, dense_rows, rows_are_invariant
 from stepahead.models.quant_weights import decode_gguf_blocks, quantize_int4, quantize_int8_rows
@@ -203,6 +203,16 @@ def test_prompt_rows_run_the_dense_weight_and_generated_rows_the_packed_kernel()
     mixed = layer(x, PromptRows(prompt, others))
     assert torch.equal(mixed[prompt], dense[prompt])  # padded dense calls are row-invariant (checked below)
     assert torch.equal(mixed[others], packed[others])  # the packed kernel is row-invariant
+
+
+@pytest.mark.skipif(not cpu_build.machine_can_build(), reason="needs an AVX2 CPU and a C++ compiler")
+def test_dense_rows_round_in_place_as_torchs_conversions_would(monkeypatch):
+    """The kernels' in-place rounding (round_bf16.cpp) gives what the two .to() copies give without them."""
+    torch.manual_seed(0)
+    x, weight, bias = torch.randn(21, 64) * 5, torch.randn(48, 64), torch.randn(48)
+    in_place = dense_rows(x, weight, bias)
+    monkeypatch.setattr(prompt_rows.cpu_build, "available", lambda: False)
+    assert torch.equal(dense_rows(x, weight, bias), in_place)
 
 
 @pytest.mark.parametrize("shape", [(960, 576), (3072, 576), (576, 1536), (64, 128)])
