@@ -91,7 +91,8 @@ def untile(tiles: torch.Tensor, out_features: int) -> tuple[torch.Tensor, torch.
     else:
         slot_count = 2
         slots = code_bytes.reshape(count, groups, -1, TILE, 2, 2).view(torch.int8)
-    # [tile, group, chunk, column, e, slot] -> [tile, column, group, chunk, slot, e]: input 2 * (slots * chunk + slot) + e
+    # [tile, group, chunk, column, e, slot] -> [tile, column, group, chunk, slot, e]:
+    # input 2 * (slot_count * chunk + slot) + e
     codes = slots.reshape(count, groups, PAIRS // slot_count, TILE, 2, slot_count).permute(0, 3, 1, 2, 5, 4)
     scales = tiles[..., record - 4 * TILE:].contiguous().view(torch.float32).transpose(1, 2)
     return (codes.reshape(count * TILE, groups * GROUP)[:out_features],

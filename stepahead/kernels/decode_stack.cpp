@@ -44,7 +44,8 @@ DecodeStack::DecodeStack(const std::vector<std::vector<at::Tensor>>& layers, int
   const int64_t q_dim = heads * head_dim, qkv_dim = (heads + 2 * kv_heads) * head_dim;
   for (const auto& t : layers) {
     TORCH_CHECK(t.size() == kTensorsPerLayer, "a layer takes ", kTensorsPerLayer, " tensors, got ", t.size());
-    if (layers_.empty()) hidden_ = t[0].numel(), inter_ = t[12].size(1) * kGroup;  // down's mins: [hidden / 8, inter / 32, 8]
+    // down's mins: [hidden / 8, inter / 32, 8]
+    if (layers_.empty()) hidden_ = t[0].numel(), inter_ = t[12].size(1) * kGroup;
     for (const at::Tensor* norm : {&t[0], &t[1]})
       TORCH_CHECK(norm->scalar_type() == at::kFloat && norm->is_contiguous() && norm->numel() == hidden_,
                   "the norm weights must be contiguous float32 [hidden] tensors");

@@ -1,6 +1,6 @@
-// y = x @ W^T for W held as GGUF's 4-bit or 8-bit codes and scales (Q4_0, Q4_1, Q8_0), on x86 CPUs with AVX2, with
-// integer dot products (as llama.cpp multiplies its Q4 and Q8 codes, but with 16-bit activations, not
-// 8-bit).
+// y = x @ W^T for W held as GGUF's 4-bit or 8-bit codes and scales (Q4_0, Q4_1, Q8_0), on x86 CPUs
+// with AVX2, with integer dot products (as llama.cpp multiplies its Q4 and Q8 codes, but with 16-bit
+// activations, not 8-bit).
 //
 // W is [N, K] in groups of 32 consecutive inputs, each with a float32 scale, in tiles of eight columns
 // (packed_gemm.h). 4-bit (int4_gemm): w = q * scale + min with codes 0..15. 8-bit (int8_gemm, GGUF's
@@ -108,7 +108,8 @@ void tile(const QuantizedRows& xq, int64_t row, const PackedWeight& w, const Out
       }
     }
     for (int c = 0; c < C; ++c) {
-      const __m256 scales = _mm256_loadu_ps(reinterpret_cast<const float*>(tiles + (c * groups + g) * kRecord + kCodeBytes));
+      const float* scale_row = reinterpret_cast<const float*>(tiles + (c * groups + g) * kRecord + kCodeBytes);
+      const __m256 scales = _mm256_loadu_ps(scale_row);
       for (int r = 0; r < R; ++r) {
         const int64_t x_group = (row + r) * x_groups + g;
         acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r][c]),
@@ -121,7 +122,6 @@ void tile(const QuantizedRows& xq, int64_t row, const PackedWeight& w, const Out
   }
   for (int c = 0; c < C; ++c) {
     const int64_t n = (t + c) * kTileColumns, columns = std::min(kTileColumns, w.N - n);
-    if (columns <= 0) break;
     for (int r = 0; r < R; ++r) {
       alignas(32) float v[kTileColumns];
       _mm256_store_ps(v, round_to_bf16(acc[r][c]));

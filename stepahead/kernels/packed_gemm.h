@@ -26,8 +26,8 @@ void quantize_row(const float* x, int64_t K, const QuantizedRows& q, int64_t row
 
 // W [N, K] as GGUF's 4-bit codes with scales and mins (Q4_1's values) or 8-bit codes with scales
 // (Q8_0's), laid out in tiles of eight columns: for each tile, for each group of 32 inputs, one record
-// of the eight columns' codes, interleaved so that a 32-byte load holds the codes of 2, 4 (Q4) or 4, 8
-// (Q8) pairs of inputs for all eight columns (packed_gemm.cpp, Q4 and Q8), followed by their eight
+// of the eight columns' codes, interleaved so that each 32-byte chunk holds the codes of four (Q4) or
+// two (Q8) pairs of inputs for all eight columns (packed_gemm.cpp, Q4 and Q8), followed by their eight
 // float32 scales. Records and tiles follow each other, so a thread reads its columns as one
 // sequential stream (a one-row step reads weights at memory speed only when the prefetchers see long
 // streams). N is padded to a multiple of eight with zeros. Q4's mins are [N / 8, K / 32, 8] float32:
