@@ -70,9 +70,7 @@ def tile_q8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 def tile_mins(mins: torch.Tensor) -> torch.Tensor:
     """4-bit codes' mins [N, K / 32] per tile of eight columns and group: [ceil(N / 8), K / 32, 8] float32."""
-    n, groups = mins.shape
-    padded = torch.cat((mins.float(), mins.new_zeros(-n % TILE, groups).float()))
-    return padded.reshape(-1, TILE, groups).transpose(1, 2).contiguous()
+    return _pad_to_tiles(mins.float()).reshape(-1, TILE, mins.shape[1]).transpose(1, 2).contiguous()
 
 
 def untile_mins(mins: torch.Tensor, out_features: int) -> torch.Tensor:
@@ -102,18 +100,20 @@ def untile(tiles: torch.Tensor, out_features: int) -> tuple[torch.Tensor, torch.
 def _slots(q: torch.Tensor, slot_count: int) -> torch.Tensor:
     """[N, K] codes as [tile, group, chunk, column, e, slot]: chunk j's int16 lane 2 * column + e holds,
     in its slots, the column's codes at inputs 2 * (slot_count * j + slot) + e; N padded to whole tiles."""
-    n, k = q.shape
-    pad = -n % TILE
-    if pad:
-        q = torch.cat((q, q.new_zeros(pad, k)))
-    count, groups = (n + pad) // TILE, k // GROUP
+    q = _pad_to_tiles(q)
+    count, groups = q.shape[0] // TILE, q.shape[1] // GROUP
     return q.reshape(count, TILE, groups, PAIRS // slot_count, slot_count, 2).permute(0, 2, 3, 1, 5, 4)
 
 
 def _records(code_bytes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """Code bytes [tile, group, ...] and scales [N, groups] as records [tile, group, codes + scales]."""
     count, groups = code_bytes.shape[:2]
-    n = scales.shape[0]
-    scales = torch.cat((scales.float(), scales.new_zeros(count * TILE - n, groups).float()))
+    scales = _pad_to_tiles(scales.float())
     scale_bytes = scales.reshape(count, TILE, groups).transpose(1, 2).contiguous().view(torch.uint8)
     return torch.cat((code_bytes.reshape(count, groups, -1), scale_bytes), dim=-1).contiguous()
+
+
+def _pad_to_tiles(t: torch.Tensor) -> torch.Tensor:
+    """t [N, ...] with zero rows appended up to a multiple of TILE."""
+    pad = -t.shape[0] % TILE
+    return torch.cat((t, t.new_zeros(pad, *t.shape[1:]))) if pad else t
