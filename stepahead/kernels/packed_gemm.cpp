@@ -48,6 +48,10 @@ namespace {
 
 constexpr float kCodeMax = 32767.f;
 
+// How many groups ahead of its reads a one-row call asks for weight records (tile): ~8 KB of 4-bit
+// records.
+constexpr int64_t kPrefetchGroups = 48;
+
 // The weight formats. A record's codes are chunks of 32 bytes, each read as 16 int16 lanes: lane
 // 2c + e of chunk j holds, in its slot s (kSlots per lane), the code of the tile's column c at input
 // 2 * (kSlots * j + s) + e of the group, so that `unpack(chunk, s)` gives the codes of one pair of
@@ -85,8 +89,22 @@ void tile(const QuantizedRows& xq, int64_t row, const PackedWeight& w, const Out
   __m256 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  // A call of one to three rows streams the weights once, and the hardware prefetchers alone keep
+  // too few lines in flight to read them at memory speed (they stop at each 4 KB page): ask for the
+  // records and mins kPrefetchGroups ahead. Four-row tiles are bound by arithmetic instead, and the
+  // tail rows of a larger call find their records in cache.
+  const bool prefetch = R < 4 && row == 0;
   for (int64_t g = 0; g < groups; ++g) {
     const int16_t* qx = xq.codes + row * xq.row_stride + g * kGroup;
+    if (prefetch) {
+      for (int c = 0; c < C; ++c) {
+        const uint8_t* ahead = tiles + (c * groups + g + kPrefetchGroups) * kRecord;
+        for (int64_t b = 0; b < kRecord; b += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + b), _MM_HINT_T0);
+        if constexpr (F::kHasMins)
+          _mm_prefetch(reinterpret_cast<const char*>(w.mins + ((t + c) * groups + g + kPrefetchGroups) * kTileColumns),
+                       _MM_HINT_T0);
+      }
+    }
     __m256i sums[R][C];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c) sums[r][c] = _mm256_setzero_si256();
