@@ -2,9 +2,10 @@
 C++ extension builder on first use: about 40 s once per machine, then loaded from torch's cache
 (~/.cache/torch_extensions, or TORCH_EXTENSIONS_DIR).
 
-They need an x86 CPU with AVX2 and FMA and a C++ compiler; where either is missing, or the build
-fails, `available()` is False (logged once) and every caller keeps torch's own operators. Setting
-STEPAHEAD_DISABLE_CPU_KERNELS=1 does the same on purpose (A/B runs, debugging)."""
+They need an x86 CPU with AVX2 (and FMA and F16C, which every AVX2 CPU has) and a C++ compiler; where
+either is missing, or the build fails, `available()` is False (logged once) and every caller keeps
+torch's own operators. Setting STEPAHEAD_DISABLE_CPU_KERNELS=1 does the same on purpose (A/B runs,
+debugging)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ SOURCES = [Path(__file__).with_name(name)
 HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 # -fopenmp: at::parallel_for is inlined into the kernels; -ffp-contract=off: a multiply and an add stay
 # two roundings unless a kernel asks for a fused multiply-add (rope.cpp matches torch's arithmetic so).
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off"]
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off"]
 DISABLE_ENV = "STEPAHEAD_DISABLE_CPU_KERNELS"
 
 

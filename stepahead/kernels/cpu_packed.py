@@ -5,8 +5,8 @@ point; this one keeps GGUF's codes and scales per group of 32 (in tiles of eight
 tile_q8: a thread reads its columns as one stream, and a vector holds one pair of inputs for eight
 columns), quantizes the activations to 16-bit integers per group of 32 and multiplies with exact
 integer dot products (llama.cpp's Q4 x Q8 scheme with twice the activation bits). Its logits are
-closer to the fp32 model's (fp32 scales instead of bf16 ones). A row's result does not depend on its
-batch (see the source). The 8-bit one multiplies GGUF's Q8_0 codes with their per-group scales
+closer to the fp32 model's (GGUF's float16 scales kept exactly instead of rounded to bf16). A row's
+result does not depend on its batch (see the source). The 8-bit one multiplies GGUF's Q8_0 codes with their per-group scales
 (torch's int8 kernel takes one scale per row, so Q8_0 would be requantized). Where the kernels are
 not built, the packed linears use torch's kernels."""
 
@@ -32,10 +32,10 @@ def kernel_for(group_size: int) -> str:
     return "stepahead" if group_size == GROUP and available() else "torch"
 
 
-def int4_gemm(x: torch.Tensor, tiles: torch.Tensor, mins: torch.Tensor, out_features: int) -> torch.Tensor:
-    """x [M, K] float32 times the [N, K] weight  codes * scales + mins  (tile_q4's and tile_mins' layouts,
+def int4_gemm(x: torch.Tensor, tiles: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x [M, K] float32 times the [N, K] weight  codes * scales + mins  (tile_q4's layout,
     N = out_features): [M, N] float32, with x and the result rounded to bf16 values."""
-    return _op("int4_gemm")(x, tiles, mins, out_features)
+    return _op("int4_gemm")(x, tiles, out_features)
 
 
 def int8_gemm(x: torch.Tensor, tiles: torch.Tensor, out_features: int) -> torch.Tensor:
@@ -52,37 +52,30 @@ def _op(name: str):
 
 TILE = 8  # columns per tile of the kernels' layout
 PAIRS = GROUP // 2  # pairs of inputs per group: the kernels multiply a pair for eight columns at once
+Q4_RECORD = TILE * GROUP // 2 + 2 * TILE * 2  # bytes per tile and group: nibbles, float16 scales and mins
 
 
-def tile_q4(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Codes 0..15 [N, K] and their scales [N, K / 32] in the kernels' layout (packed_gemm.h): per tile
-    of eight columns and group of 32 inputs, 128 bytes of nibbles then the eight float32 scales.
-    [ceil(N / 8), K / 32, 160] uint8."""
+def tile_q4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """Codes 0..15 [N, K], their scales and mins [N, K / 32] in the kernels' layout (packed_gemm.h): per
+    tile of eight columns and group of 32 inputs, 128 bytes of nibbles, then the eight float16 scales
+    and the eight float16 mins. [ceil(N / 8), K / 32, 160] uint8."""
     slots = _slots(q.to(torch.uint8), 4)  # [..., lane, 4 nibbles]: two bytes per int16 lane
-    return _records(slots[..., 0::2] | (slots[..., 1::2] << 4), scales)
+    return _records(slots[..., 0::2] | (slots[..., 1::2] << 4), scales, mins)
 
 
 def tile_q8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """int8 codes [N, K] and their scales [N, K / 32] (GGUF's Q8_0) in the kernels' layout: per tile of
-    eight columns and group, 256 bytes of codes then the eight scales. [ceil(N / 8), K / 32, 288]."""
+    eight columns and group, 256 bytes of codes then the eight float16 scales. [ceil(N / 8), K / 32, 272]."""
     return _records(_slots(q.to(torch.int8).view(torch.uint8), 2), scales)
 
 
-def tile_mins(mins: torch.Tensor) -> torch.Tensor:
-    """4-bit codes' mins [N, K / 32] per tile of eight columns and group: [ceil(N / 8), K / 32, 8] float32."""
-    return _pad_to_tiles(mins.float()).reshape(-1, TILE, mins.shape[1]).transpose(1, 2).contiguous()
-
-
-def untile_mins(mins: torch.Tensor, out_features: int) -> torch.Tensor:
-    """tile_mins undone: [N, K / 32]."""
-    return mins.transpose(1, 2).reshape(-1, mins.shape[1])[:out_features]
-
-
-def untile(tiles: torch.Tensor, out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """tile_q4 or tile_q8 undone: (the codes [N, K], uint8 0..15 or int8, the scales [N, K / 32])."""
+def untile(tiles: torch.Tensor, out_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """tile_q4 or tile_q8 undone: the codes [N, K] (uint8 0..15 or int8), the scales [N, K / 32] and the
+    mins [N, K / 32] (None for 8-bit codes), float32."""
     count, groups, record = tiles.shape
-    code_bytes = tiles[..., : record - 4 * TILE]
-    if record - 4 * TILE == TILE * GROUP // 2:  # nibbles: low then high of each byte
+    four_bits = record == Q4_RECORD
+    code_bytes = tiles[..., : TILE * GROUP // (2 if four_bits else 1)]
+    if four_bits:  # nibbles: low then high of each byte
         slot_count = 4
         b = code_bytes.reshape(count, groups, -1, TILE, 2, 2)
         slots = torch.stack((b & 0x0F, b >> 4), dim=-1).flatten(-2)
@@ -92,9 +85,10 @@ def untile(tiles: torch.Tensor, out_features: int) -> tuple[torch.Tensor, torch.
     # [tile, group, chunk, column, e, slot] -> [tile, column, group, chunk, slot, e]:
     # input 2 * (slot_count * chunk + slot) + e
     codes = slots.reshape(count, groups, PAIRS // slot_count, TILE, 2, slot_count).permute(0, 3, 1, 2, 5, 4)
-    scales = tiles[..., record - 4 * TILE:].contiguous().view(torch.float32).transpose(1, 2)
-    return (codes.reshape(count * TILE, groups * GROUP)[:out_features],
-            scales.reshape(count * TILE, groups)[:out_features])
+    halves = tiles[..., code_bytes.shape[-1]:].contiguous().view(torch.float16).float()
+    halves = halves.reshape(count, groups, -1, TILE).permute(2, 0, 3, 1).reshape(-1, count * TILE, groups)
+    return (codes.reshape(count * TILE, groups * GROUP)[:out_features], halves[0][:out_features],
+            halves[1][:out_features] if four_bits else None)
 
 
 def _slots(q: torch.Tensor, slot_count: int) -> torch.Tensor:
@@ -105,12 +99,20 @@ def _slots(q: torch.Tensor, slot_count: int) -> torch.Tensor:
     return q.reshape(count, TILE, groups, PAIRS // slot_count, slot_count, 2).permute(0, 2, 3, 1, 5, 4)
 
 
-def _records(code_bytes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Code bytes [tile, group, ...] and scales [N, groups] as records [tile, group, codes + scales]."""
+def _records(code_bytes: torch.Tensor, *per_group: torch.Tensor) -> torch.Tensor:
+    """Code bytes [tile, group, ...] and the scales (and mins) [N, groups] as records [tile, group, codes,
+    then each per-group tensor's eight float16 values]. GGUF stores scales and mins as float16; a value
+    float16 cannot hold exactly is refused, not rounded."""
     count, groups = code_bytes.shape[:2]
-    scales = _pad_to_tiles(scales.float())
-    scale_bytes = scales.reshape(count, TILE, groups).transpose(1, 2).contiguous().view(torch.uint8)
-    return torch.cat((code_bytes.reshape(count, groups, -1), scale_bytes), dim=-1).contiguous()
+    parts = [code_bytes.reshape(count, groups, -1)]
+    for values in per_group:
+        halves = values.to(torch.float16)
+        if not torch.equal(halves.float(), values.float()):
+            raise ValueError("the kernels keep scales and mins as float16 (GGUF's format); these values "
+                             "are not float16 values")
+        halves = _pad_to_tiles(halves).reshape(count, TILE, groups).transpose(1, 2)
+        parts.append(halves.contiguous().view(torch.uint8))
+    return torch.cat(parts, dim=-1).contiguous()
 
 
 def _pad_to_tiles(t: torch.Tensor) -> torch.Tensor:

@@ -29,10 +29,10 @@ namespace stepahead_cpu {
 
 namespace {
 
-// A projection's tiles, mins and bias, from index `first` of a layer's tensors; W [N, K].
+// A projection's tiles and bias, from index `first` of a layer's tensors; W [N, K].
 Int4Weight int4_weight(const std::vector<at::Tensor>& t, size_t first, int64_t N, int64_t K) {
-  const at::Tensor bias = t[first + 2].numel() ? t[first + 2] : at::Tensor();
-  return Int4Weight{t[first], t[first + 1], bias, q4_weight(t[first], t[first + 1], bias, N, K)};
+  const at::Tensor bias = t[first + 1].numel() ? t[first + 1] : at::Tensor();
+  return Int4Weight{t[first], bias, q4_weight(t[first], bias, N, K)};
 }
 
 }  // namespace
@@ -44,13 +44,13 @@ DecodeStack::DecodeStack(const std::vector<std::vector<at::Tensor>>& layers, int
   const int64_t q_dim = heads * head_dim, qkv_dim = (heads + 2 * kv_heads) * head_dim;
   for (const auto& t : layers) {
     TORCH_CHECK(t.size() == kTensorsPerLayer, "a layer takes ", kTensorsPerLayer, " tensors, got ", t.size());
-    // down's mins: [hidden / 8, inter / 32, 8]
-    if (layers_.empty()) hidden_ = t[0].numel(), inter_ = t[12].size(1) * kGroup;
+    // down's tiles: [hidden / 8, inter / 32, record]
+    if (layers_.empty()) hidden_ = t[0].numel(), inter_ = t[8].size(1) * kGroup;
     for (const at::Tensor* norm : {&t[0], &t[1]})
       TORCH_CHECK(norm->scalar_type() == at::kFloat && norm->is_contiguous() && norm->numel() == hidden_,
                   "the norm weights must be contiguous float32 [hidden] tensors");
-    layers_.push_back(Layer{t[0], t[1], int4_weight(t, 2, qkv_dim, hidden_), int4_weight(t, 5, hidden_, q_dim),
-                            int4_weight(t, 8, 2 * inter_, hidden_), int4_weight(t, 11, hidden_, inter_)});
+    layers_.push_back(Layer{t[0], t[1], int4_weight(t, 2, qkv_dim, hidden_), int4_weight(t, 4, hidden_, q_dim),
+                            int4_weight(t, 6, 2 * inter_, hidden_), int4_weight(t, 8, hidden_, inter_)});
   }
 }
 

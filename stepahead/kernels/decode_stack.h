@@ -11,16 +11,16 @@ namespace stepahead_cpu {
 
 // A packed projection's tensors and the kernel's view of them.
 struct Int4Weight {
-  at::Tensor tiles, mins;  // int4_gemm's operands
-  at::Tensor bias;         // undefined: none
+  at::Tensor tiles;  // int4_gemm's operand
+  at::Tensor bias;   // undefined: none
   PackedWeight view;
 };
 
 class DecodeStack {
  public:
-  // Per layer, in this order: input norm weight, post-attention norm weight, then tiles, mins and bias
-  // (an empty tensor for none) of the q/k/v, o, gate/up and down projections.
-  static constexpr size_t kTensorsPerLayer = 14;
+  // Per layer, in this order: input norm weight, post-attention norm weight, then tiles and bias (an
+  // empty tensor for none) of the q/k/v, o, gate/up and down projections.
+  static constexpr size_t kTensorsPerLayer = 10;
 
   // exact_norm: stepahead's rms_norm is torch's arithmetic on this CPU (else torch's own is called).
   DecodeStack(const std::vector<std::vector<at::Tensor>>& layers, int64_t heads, int64_t kv_heads, int64_t head_dim,

@@ -7,7 +7,7 @@ namespace stepahead_cpu {
 
 // y [M, N] = x [M, K] float32 times the 4-bit [N, K] weight  codes * scales + mins  in tiles of eight
 // columns (packed_gemm.h).
-at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& mins, int64_t N);
+at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& tiles, int64_t N);
 
 // y [M, N] = x [M, K] float32 times the 8-bit [N, K] weight  codes * scales  (GGUF's Q8_0) in tiles of
 // eight columns (packed_gemm.h).

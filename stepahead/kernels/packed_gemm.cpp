@@ -2,8 +2,8 @@
 // with AVX2, with integer dot products (as llama.cpp multiplies its Q4 and Q8 codes, but with 16-bit
 // activations, not 8-bit).
 //
-// W is [N, K] in groups of 32 consecutive inputs, each with a float32 scale, in tiles of eight columns
-// (packed_gemm.h). 4-bit (int4_gemm): w = q * scale + min with codes 0..15. 8-bit (int8_gemm, GGUF's
+// W is [N, K] in groups of 32 consecutive inputs, each with a float16 scale (and min), in tiles of eight
+// columns (packed_gemm.h). 4-bit (int4_gemm): w = q * scale + min with codes 0..15. 8-bit (int8_gemm, GGUF's
 // Q8_0): w = q * scale with int8 codes. Each row of x is quantized per group of 32 to int16 codes qx
 // with one scale dx = max|x| / 32767, so a group's product is
 //     sum(w * x) = scale * dx * sum(q * qx) + min * dx * sum(qx)
@@ -80,10 +80,11 @@ struct Q8 {
 // y[row .. row + R) x the columns of tiles t .. t + C (eight each, lanes = columns). Per group, the
 // integer sums sum(q * qx) of each (row, column) build up in int32 lanes (exact: under 2^31; for 4-bit
 // codes under 2^24, so the conversion to float is exact too), then go into the float sums as
-// sum * (scale * dx), plus min * dx * sum(qx) for 4-bit codes, group after group.
+// sum * (scale * dx), plus min * dx * sum(qx) for 4-bit codes, group after group (the float16 scales
+// and mins converted to float32 exactly).
 template <typename F, int R, int C>
 void tile(const QuantizedRows& xq, int64_t row, const PackedWeight& w, const Output& out, int64_t t) {
-  constexpr int64_t kRecord = record_bytes(F::kFormat), kCodeBytes = kRecord - kTileColumns * 4;
+  constexpr int64_t kRecord = record_bytes(F::kFormat), kCodeBytes = code_bytes(F::kFormat);
   const int64_t groups = w.K / kGroup, x_groups = xq.row_stride / kGroup;
   const uint8_t* tiles = w.tiles + t * groups * kRecord;
   __m256 acc[R][C];
@@ -91,8 +92,8 @@ void tile(const QuantizedRows& xq, int64_t row, const PackedWeight& w, const Out
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
   // A call of one to three rows streams the weights once, and the hardware prefetchers alone keep
   // too few lines in flight to read them at memory speed (they stop at each 4 KB page): ask for the
-  // records and mins kPrefetchGroups ahead. Four-row tiles are bound by arithmetic instead, and the
-  // tail rows of a larger call find their records in cache.
+  // records kPrefetchGroups ahead. Four-row tiles are bound by arithmetic instead, and the tail rows
+  // of a larger call find their records in cache.
   const bool prefetch = R < 4 && row == 0;
   for (int64_t g = 0; g < groups; ++g) {
     const int16_t* qx = xq.codes + row * xq.row_stride + g * kGroup;
@@ -100,9 +101,6 @@ void tile(const QuantizedRows& xq, int64_t row, const PackedWeight& w, const Out
       for (int c = 0; c < C; ++c) {
         const uint8_t* ahead = tiles + (c * groups + g + kPrefetchGroups) * kRecord;
         for (int64_t b = 0; b < kRecord; b += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + b), _MM_HINT_T0);
-        if constexpr (F::kHasMins)
-          _mm_prefetch(reinterpret_cast<const char*>(w.mins + ((t + c) * groups + g + kPrefetchGroups) * kTileColumns),
-                       _MM_HINT_T0);
       }
     }
     __m256i sums[R][C];
@@ -126,14 +124,14 @@ void tile(const QuantizedRows& xq, int64_t row, const PackedWeight& w, const Out
       }
     }
     for (int c = 0; c < C; ++c) {
-      const float* scale_row = reinterpret_cast<const float*>(tiles + (c * groups + g) * kRecord + kCodeBytes);
-      const __m256 scales = _mm256_loadu_ps(scale_row);
+      const uint8_t* halves = tiles + (c * groups + g) * kRecord + kCodeBytes;  // scales, then mins
+      const __m256 scales = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(halves)));
       for (int r = 0; r < R; ++r) {
         const int64_t x_group = (row + r) * x_groups + g;
         acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r][c]),
                                     _mm256_mul_ps(scales, _mm256_set1_ps(xq.scales[x_group])), acc[r][c]);
         if constexpr (F::kHasMins)
-          acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(w.mins + ((t + c) * groups + g) * kTileColumns),
+          acc[r][c] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(halves + 16))),
                                       _mm256_set1_ps(xq.sums[x_group]), acc[r][c]);
       }
     }
@@ -245,29 +243,24 @@ void multiply(Team::Member& me, const PackedWeight& w, const QuantizedRows& x, i
   });
 }
 
-PackedWeight q4_weight(const at::Tensor& tiles, const at::Tensor& mins, const at::Tensor& bias, int64_t N, int64_t K) {
+PackedWeight q4_weight(const at::Tensor& tiles, const at::Tensor& bias, int64_t N, int64_t K) {
   check_tiles(tiles, PackedWeight::Format::kQ4, N, K);
-  const int64_t tile_count = (N + kTileColumns - 1) / kTileColumns;
-  TORCH_CHECK(mins.scalar_type() == at::kFloat && mins.is_contiguous() &&
-                  mins.sizes() == at::IntArrayRef({tile_count, K / kGroup, kTileColumns}),
-              "mins must be a contiguous float32 [", tile_count, ", ", K / kGroup, ", ", kTileColumns,
-              "] tensor (packed_gemm.h)");
   TORCH_CHECK(!bias.defined() || (bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.numel() == N),
               "the bias must be a contiguous float32 [", N, "] tensor");
-  return PackedWeight{PackedWeight::Format::kQ4, tiles.data_ptr<uint8_t>(), mins.data_ptr<float>(),
+  return PackedWeight{PackedWeight::Format::kQ4, tiles.data_ptr<uint8_t>(),
                       bias.defined() ? bias.data_ptr<float>() : nullptr, N, K};
 }
 
-at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& mins, int64_t N) {
+at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& tiles, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be a 2-D float32 tensor");
-  return gemm(x, q4_weight(tiles, mins, at::Tensor(), N, x.size(1)));
+  return gemm(x, q4_weight(tiles, at::Tensor(), N, x.size(1)));
 }
 
 at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& tiles, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be a 2-D float32 tensor");
   const int64_t K = x.size(1);
   check_tiles(tiles, PackedWeight::Format::kQ8, N, K);
-  return gemm(x, PackedWeight{PackedWeight::Format::kQ8, tiles.data_ptr<uint8_t>(), nullptr, nullptr, N, K});
+  return gemm(x, PackedWeight{PackedWeight::Format::kQ8, tiles.data_ptr<uint8_t>(), nullptr, N, K});
 }
 
 }  // namespace stepahead_cpu

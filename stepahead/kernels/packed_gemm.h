@@ -28,29 +28,31 @@ void quantize_row(const float* x, int64_t K, const QuantizedRows& q, int64_t row
 // (Q8_0's), laid out in tiles of eight columns: for each tile, for each group of 32 inputs, one record
 // of the eight columns' codes, interleaved so that each 32-byte chunk holds the codes of four (Q4) or
 // two (Q8) pairs of inputs for all eight columns (packed_gemm.cpp, Q4 and Q8), followed by their eight
-// float32 scales. Records and tiles follow each other, so a thread reads its columns as one
-// sequential stream (a one-row step reads weights at memory speed only when the prefetchers see long
-// streams). N is padded to a multiple of eight with zeros. Q4's mins are [N / 8, K / 32, 8] float32:
-// per tile and group, the eight columns' mins.
+// float16 scales and, for Q4, their eight float16 mins (GGUF stores both as float16, so nothing is
+// rounded). Records and tiles follow each other, so a thread reads its columns as one sequential
+// stream (a one-row step reads weights at memory speed only when the prefetchers see long streams).
+// N is padded to a multiple of eight with zeros.
 struct PackedWeight {
   enum class Format { kQ4, kQ8 };
   Format format;
   const uint8_t* tiles;
-  const float* mins;  // Q4 only
   const float* bias;  // nullptr: none
   int64_t N, K;
 };
 
 constexpr int64_t kTileColumns = 8;
 
-// Bytes of one tile's record for one group.
+// Bytes of one record's codes, and of the whole record (codes, scales and Q4's mins).
+constexpr int64_t code_bytes(PackedWeight::Format format) {
+  return kTileColumns * (format == PackedWeight::Format::kQ4 ? kGroup / 2 : kGroup);
+}
 constexpr int64_t record_bytes(PackedWeight::Format format) {
-  return kTileColumns * (format == PackedWeight::Format::kQ4 ? kGroup / 2 : kGroup) + kTileColumns * 4;
+  return code_bytes(format) + kTileColumns * 2 * (format == PackedWeight::Format::kQ4 ? 2 : 1);
 }
 
-// The kernels' view of a 4-bit weight W [N, K]: tiles and mins laid out as above, and
-// bias [N] float32 or undefined for none; fails unless the tensors are so.
-PackedWeight q4_weight(const at::Tensor& tiles, const at::Tensor& mins, const at::Tensor& bias, int64_t N, int64_t K);
+// The kernels' view of a 4-bit weight W [N, K]: tiles laid out as above, and bias [N] float32 or
+// undefined for none; fails unless the tensors are so.
+PackedWeight q4_weight(const at::Tensor& tiles, const at::Tensor& bias, int64_t N, int64_t K);
 
 // Where a block's outputs go: y[m, n] for m < M, row stride N; accumulate adds them to what y holds
 // (a residual stream), as torch's y + projection would.

@@ -29,7 +29,7 @@ def build_decode_stack(model):
             return None
         tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
         for p in projections:
-            tensors += [p.tiles, p.mins, p.bias if p.bias is not None else torch.empty(0)]
+            tensors += [p.tiles, p.bias if p.bias is not None else torch.empty(0)]
         layers.append(tensors)
     attn = model.layers[0].self_attn
     return cpu_build.op("DecodeStack")(layers, attn.num_heads, attn.num_kv_heads, attn.head_dim,

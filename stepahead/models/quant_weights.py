@@ -103,11 +103,12 @@ def decode_gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) 
 
 
 def quantize_int4(w: torch.Tensor, group_size: int = GGUF_BLOCK) -> GroupQuantWeight:
-    """Asymmetric 4-bit codes per group of group_size inputs (min/max mapped to 0/15), like Q4_1."""
+    """Asymmetric 4-bit codes per group of group_size inputs (min/max mapped to 0/15), like Q4_1: the
+    scales and mins are float16 values, as GGUF stores them and the CPU kernels read them."""
     rows, cols = w.shape
     groups = w.detach().float().reshape(rows, cols // group_size, group_size)
-    lo, hi = groups.amin(-1), groups.amax(-1)
-    scales = ((hi - lo) / 15).clamp(min=1e-12)
+    lo, hi = groups.amin(-1).half().float(), groups.amax(-1)
+    scales = ((hi - lo) / 15).clamp(min=2.0**-24).half().float()  # float16's smallest step
     q = ((groups - lo.unsqueeze(-1)) / scales.unsqueeze(-1)).round().clamp(0, 15).to(torch.uint8)
     return GroupQuantWeight(q.reshape(rows, cols), scales, lo, group_size, 4)
 

@@ -83,8 +83,7 @@ class Int4Linear(_PackedBase):
         self.group_size = weight.group_size
         self.kernel = cpu_packed.kernel_for(self.group_size)
         if self.kernel == "stepahead":
-            self.register_buffer("tiles", cpu_packed.tile_q4(weight.q, weight.scales))
-            self.register_buffer("mins", cpu_packed.tile_mins(weight.mins))
+            self.register_buffer("tiles", cpu_packed.tile_q4(weight.q, weight.scales, weight.mins))
             return
         packed = torch._convert_weight_to_int4pack_for_cpu(weight.q.to(torch.int32).contiguous(), 1)
         zeros = weight.mins + 8 * weight.scales
@@ -95,16 +94,14 @@ class Int4Linear(_PackedBase):
 
     def _packed_mm(self, flat: torch.Tensor) -> torch.Tensor:
         if self.kernel == "stepahead":
-            return cpu_packed.int4_gemm(flat.float(), self.tiles, self.mins, self.out_features)
+            return cpu_packed.int4_gemm(flat.float(), self.tiles, self.out_features)
         return torch._weight_int4pack_mm_for_cpu(flat.to(KERNEL_DTYPE), self.packed, self.group_size,
                                                  self.scales_zeros)
 
     def dequantized_weight(self) -> torch.Tensor:
         """The [out, in] float32 weight the kernel multiplies with."""
         if self.kernel == "stepahead":
-            codes, scales = cpu_packed.untile(self.tiles, self.out_features)
-            mins = cpu_packed.untile_mins(self.mins, self.out_features)
-            return GroupQuantWeight(codes, scales, mins, self.group_size, 4).dequantize()
+            return GroupQuantWeight(*cpu_packed.untile(self.tiles, self.out_features), self.group_size, 4).dequantize()
         # torch's kernel through an identity input: its weight with bf16 scales and zeros.
         eye = torch.eye(self.in_features, dtype=KERNEL_DTYPE)
         return torch._weight_int4pack_mm_for_cpu(eye, self.packed, self.group_size, self.scales_zeros).float().t()
@@ -132,8 +129,7 @@ class Int8Linear(_PackedBase):
 
     def dequantized_weight(self) -> torch.Tensor:
         if self.kernel == "stepahead":
-            codes, scales = cpu_packed.untile(self.tiles, self.out_features)
-            return GroupQuantWeight(codes, scales, None, cpu_packed.GROUP, 8).dequantize()
+            return GroupQuantWeight(*cpu_packed.untile(self.tiles, self.out_features), cpu_packed.GROUP, 8).dequantize()
         return self.qweight.float() * self.scales.float().unsqueeze(1)
 
     def extra_repr(self) -> str:

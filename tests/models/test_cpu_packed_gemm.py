@@ -39,7 +39,7 @@ def _reference(x, weight):
 
 
 def _args(weight):
-    return cpu_packed.tile_q4(weight.q, weight.scales), cpu_packed.tile_mins(weight.mins), weight.q.shape[0]
+    return cpu_packed.tile_q4(weight.q, weight.scales, weight.mins), weight.q.shape[0]
 
 
 @pytest.mark.parametrize("rows,out_features,in_features", [(1, 16, 32), (3, 37, 64), (5, 64, 96), (13, 50, 576),
@@ -71,20 +71,31 @@ def test_a_non_finite_activation_makes_its_row_nan_and_no_other():
 @pytest.mark.parametrize("out_features", [8, 37])  # 37: the last tile padded
 def test_tiles_hold_the_codes_and_scales_and_come_apart_again(out_features):
     weight, q8 = _weight(out_features, 96), _q8_0(out_features, 96)
-    tiles = cpu_packed.tile_q4(weight.q, weight.scales)
-    assert tiles.shape == ((out_features + 7) // 8, 3, 8 * 16 + 32)
+    tiles = cpu_packed.tile_q4(weight.q, weight.scales, weight.mins)
+    assert tiles.shape == ((out_features + 7) // 8, 3, 8 * 16 + 16 + 16)
     # group 1, chunk 2: int16 lane 2 * 3 + 1 (column 3, odd input) holds inputs 2 * (4 * 2 + slot) + 1
     lane = int(tiles[0, 1, 64 + 14]) | int(tiles[0, 1, 64 + 15]) << 8
     assert [(lane >> 4 * slot) & 15 for slot in range(4)] == [int(weight.q[3, 32 + 2 * (8 + s) + 1]) for s in range(4)]
-    assert tiles[0, 1, 128 + 4:128 + 8].view(torch.float32).item() == weight.scales[1, 1].item()
-    codes, scales = cpu_packed.untile(tiles, out_features)
-    assert codes.equal(weight.q.to(torch.uint8)) and scales.equal(weight.scales.float())
+    # then column 1's float16 scale and min of group 1
+    assert tiles[0, 1, 128 + 2:128 + 4].view(torch.float16).item() == weight.scales[1, 1].item()
+    assert tiles[0, 1, 144 + 2:144 + 4].view(torch.float16).item() == weight.mins[1, 1].item()
+    codes, scales, mins = cpu_packed.untile(tiles, out_features)
+    assert codes.equal(weight.q.to(torch.uint8)) and scales.equal(weight.scales) and mins.equal(weight.mins)
     tiles = cpu_packed.tile_q8(q8.q, q8.scales)
-    assert tiles.shape == ((out_features + 7) // 8, 3, 8 * 32 + 32)
+    assert tiles.shape == ((out_features + 7) // 8, 3, 8 * 32 + 16)
     # group 2, chunk 5: lane 2 * 6 (column 6, even input); low byte input 2 * (2 * 5), high byte the next pair's
     assert tiles[0, 2, 160 + 24:160 + 26].view(torch.int8).tolist() == [int(q8.q[6, 64 + 20]), int(q8.q[6, 64 + 22])]
-    codes, scales = cpu_packed.untile(tiles, out_features)
-    assert codes.equal(q8.q) and scales.equal(q8.scales)
+    codes, scales, mins = cpu_packed.untile(tiles, out_features)
+    assert codes.equal(q8.q) and scales.equal(q8.scales) and mins is None
+
+
+def test_tiles_refuse_scales_float16_cannot_hold():
+    """The records keep GGUF's float16 scales and mins; a float32 value would be rounded, silently."""
+    weight = _weight(16, 64)
+    with pytest.raises(ValueError, match="float16"):
+        cpu_packed.tile_q4(weight.q, weight.scales * (1 + 2.0 ** -20), weight.mins)
+    with pytest.raises(ValueError, match="float16"):
+        cpu_packed.tile_q8(weight.q.to(torch.int8), weight.scales * (1 + 2.0 ** -20))
 
 
 def test_a_row_is_computed_the_same_at_any_position_in_any_batch():
@@ -138,7 +149,8 @@ def _q8_0(out_features, in_features, seed=0):
     """GGUF Q8_0's shape of weight: int8 codes (the full range) and a scale per group of 32."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randint(-128, 128, (out_features, in_features), dtype=torch.int8, generator=gen)
-    return GroupQuantWeight(q, torch.rand(out_features, in_features // 32, generator=gen) / 64, None, 32, 8)
+    scales = (torch.rand(out_features, in_features // 32, generator=gen) / 64).half().float()  # GGUF's float16
+    return GroupQuantWeight(q, scales, None, 32, 8)
 
 
 @pytest.mark.parametrize("rows,out_features,in_features", [(1, 16, 32), (5, 37, 96), (32, 96, 576)])
