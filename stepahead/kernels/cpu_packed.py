@@ -6,9 +6,9 @@ tile_q8: a thread reads its columns as one stream, and a vector holds one pair o
 columns), quantizes the activations to 16-bit integers per group of 32 and multiplies with exact
 integer dot products (llama.cpp's Q4 x Q8 scheme with twice the activation bits). Its logits are
 closer to the fp32 model's (GGUF's float16 scales kept exactly instead of rounded to bf16). A row's
-result does not depend on its batch (see the source). The 8-bit one multiplies GGUF's Q8_0 codes with their per-group scales
-(torch's int8 kernel takes one scale per row, so Q8_0 would be requantized). Where the kernels are
-not built, the packed linears use torch's kernels."""
+result does not depend on its batch (see the source). The 8-bit one multiplies GGUF's Q8_0 codes
+with their per-group scales (torch's int8 kernel takes one scale per row, so Q8_0 would be
+requantized). Where the kernels are not built, the packed linears use torch's kernels."""
 
 from __future__ import annotations
 
