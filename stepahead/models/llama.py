@@ -261,6 +261,7 @@ class LlamaForCausalLM(nn.Module):
         self.rope_cache: torch.Tensor | None = None  # [max_pos, 2, hd]: cos, sin
         self.cpu_kernels = False  # whether rope, norms, activations, decode attention run stepahead's CPU kernels
         self.decode_stack = None  # the layers as one C++ call for decode-only steps (models/cpu_decode_stack.py)
+        self.dense_prompt_rows = False  # whether packed projections run prompt rows dense (models/prompt_rows.py)
 
     def use_cpu_kernels(self) -> None:
         """Run rope, the MLP's activation and the norms (where the norm kernel is torch's arithmetic), and

@@ -1,12 +1,13 @@
 """PromptRows: which rows of a step's flattened batch hold prompt tokens, and the dense GEMM they run.
 
-With packed weights (models/quantized_linear.py) prompt tokens run on the dense weights and generated
-tokens on the packed kernels. What decides a token's path is the token itself (is it part of its
-request's prompt?), never the batch it shares, so a request's tokens stay the same async or sync,
-preempted or not, chunked or not: a generated token recomputed after a preemption runs the packed
-kernels again. Prompts are prefilled many tokens at a time, where dense fp32 GEMM is about twice as
-fast as the packed kernels; generated tokens come a few per step, where reading 0.56 bytes per weight
-instead of 4 wins.
+With packed weights on torch's weight-only kernels (models/quantized_linear.py; stepahead's own CPU
+kernels run every row, being faster than fp32 GEMM at any row count) prompt tokens run on the dense
+weights and generated tokens on the packed kernels. What decides a token's path is the token itself
+(is it part of its request's prompt?), never the batch it shares, so a request's tokens stay the
+same async or sync, preempted or not, chunked or not: a generated token recomputed after a
+preemption runs the packed kernels again. Prompts are prefilled many tokens at a time, where dense
+fp32 GEMM is several times faster than torch's weight-only kernels; generated tokens come a few per
+step, where reading 0.56 bytes per weight instead of 4 wins.
 
 Two things keep a prompt row's result independent of everything but the row:
 - BLAS takes other code paths for a few rows (a matrix-vector product for one row, small-matrix

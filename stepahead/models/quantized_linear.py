@@ -17,12 +17,13 @@ section 14), and the rounding is far below the weights' own quantization error. 
 its outputs to bfloat16 values. Inputs and outputs keep the model's dtype. A step of few tokens reads
 0.56 (int4) or 1 (int8) byte per weight instead of 4: such steps are bound by reading the weights.
 
-Each module also keeps its dequantized weight (`dense`, the same values in the model's dtype) for
-prompt tokens (models/prompt_rows.py), unless this machine's BLAS fails the row-invariance check at
-load: prefill steps of many tokens are bound by arithmetic, where torch's fp32 GEMM is about twice as
-fast as these kernels. Generated tokens always run the packed kernel, which computes each row on its
-own (a row's output is bitwise the same alone or among 512 rows, tested), so a token's path and
-result depend on the token, not on the batch it shares.
+A module on torch's kernels also keeps its dequantized weight (`dense`, the same values in the
+model's dtype) for prompt tokens (models/prompt_rows.py), unless this machine's BLAS fails the
+row-invariance check at load: prefill steps of many tokens are bound by arithmetic, where torch's
+fp32 GEMM is several times faster than torch's weight-only kernels (stepahead's own kernel is faster
+than both and runs every row; models/quantized_loader.py). Generated tokens always run the packed
+kernel, which computes each row on its own (a row's output is bitwise the same alone or among 512
+rows, tested), so a token's path and result depend on the token, not on the batch it shares.
 """
 
 from __future__ import annotations

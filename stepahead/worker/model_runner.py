@@ -311,9 +311,9 @@ class ModelRunner:
                           staged_prompt_rows.finish(staging) if staged_prompt_rows is not None else None)
 
     def _stage_prompt_rows(self, prompt_tokens: list[tuple[int, int]], num_tokens: int) -> _StagedPromptRows | None:
-        """Which rows are prompt tokens, for packed weights (models/prompt_rows.py); None without them
-        or without prompt rows."""
-        if self.config.model_config.quantization == "none" or not prompt_tokens:
+        """Which rows are prompt tokens, for packed projections that run them dense (models/prompt_rows.py);
+        None without them or without prompt rows."""
+        if not self.model.dense_prompt_rows or not prompt_tokens:
             return None
         is_prompt = np.zeros(num_tokens, dtype=bool)
         for start, end in prompt_tokens:
