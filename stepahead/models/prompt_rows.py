@@ -7,7 +7,7 @@ weights and generated tokens on the packed kernels. What decides a token's path 
 same async or sync, preempted or not, chunked or not: a generated token recomputed after a
 preemption runs the packed kernels again. Prompts are prefilled many tokens at a time, where dense
 fp32 GEMM is several times faster than torch's weight-only kernels; generated tokens come a few per
-step, where reading 0.56 bytes per weight instead of 4 wins.
+step, where reading 0.56-0.63 bytes per weight instead of 4 wins.
 
 Two things keep a prompt row's result independent of everything but the row:
 - BLAS takes other code paths for a few rows (a matrix-vector product for one row, small-matrix

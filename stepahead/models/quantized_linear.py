@@ -15,7 +15,7 @@
 torch's kernels take bfloat16 activations: their fp32 variants are 5-30x slower (docs/BENCHMARKS.md
 section 14), and the rounding is far below the weights' own quantization error. Every kernel rounds
 its outputs to bfloat16 values. Inputs and outputs keep the model's dtype. A step of few tokens reads
-0.56 (int4) or 1 (int8) byte per weight instead of 4: such steps are bound by reading the weights.
+0.56-0.63 (int4) or 1 (int8) byte per weight instead of 4: such steps are bound by reading the weights.
 
 A module on torch's kernels also keeps its dequantized weight (`dense`, the same values in the
 model's dtype) for prompt tokens (models/prompt_rows.py), unless this machine's BLAS fails the
@@ -102,7 +102,8 @@ class Int4Linear(_PackedBase):
     def dequantized_weight(self) -> torch.Tensor:
         """The [out, in] float32 weight the kernel multiplies with."""
         if self.kernel == "stepahead":
-            return GroupQuantWeight(*cpu_packed.untile(self.tiles, self.out_features), self.group_size, 4).dequantize()
+            codes, scales, mins = cpu_packed.untile(self.tiles, self.out_features)
+            return GroupQuantWeight(codes, scales, mins, self.group_size, 4).dequantize()
         # torch's kernel through an identity input: its weight with bf16 scales and zeros.
         eye = torch.eye(self.in_features, dtype=KERNEL_DTYPE)
         return torch._weight_int4pack_mm_for_cpu(eye, self.packed, self.group_size, self.scales_zeros).float().t()
@@ -130,7 +131,8 @@ class Int8Linear(_PackedBase):
 
     def dequantized_weight(self) -> torch.Tensor:
         if self.kernel == "stepahead":
-            return GroupQuantWeight(*cpu_packed.untile(self.tiles, self.out_features), cpu_packed.GROUP, 8).dequantize()
+            codes, scales, _ = cpu_packed.untile(self.tiles, self.out_features)
+            return GroupQuantWeight(codes, scales, None, cpu_packed.GROUP, 8).dequantize()
         return self.qweight.float() * self.scales.float().unsqueeze(1)
 
     def extra_repr(self) -> str:
