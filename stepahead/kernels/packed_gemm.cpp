@@ -2,9 +2,9 @@
 // with AVX2, with integer dot products (as llama.cpp multiplies its Q4 and Q8 codes, but with 16-bit
 // activations, not 8-bit).
 //
-// W is [N, K] in groups of 32 consecutive inputs, each with a float16 scale (and min), in tiles of eight
-// columns (packed_gemm.h). 4-bit (int4_gemm): w = q * scale + min with codes 0..15. 8-bit (int8_gemm, GGUF's
-// Q8_0): w = q * scale with int8 codes. Each row of x is quantized per group of 32 to int16 codes qx
+// W is [N, K] in groups of 32 consecutive inputs, each with a float16 scale (and min), in tiles of
+// eight columns (packed_gemm.h). 4-bit (int4_gemm): w = q * scale + min with codes 0..15. 8-bit
+// (int8_gemm, GGUF's Q8_0): w = q * scale with int8 codes. Each row of x is quantized per group of 32 to int16 codes qx
 // with one scale dx = max|x| / 32767, so a group's product is
 //     sum(w * x) = scale * dx * sum(q * qx) + min * dx * sum(qx)
 // Activations are rounded to bfloat16 values before they are quantized (see quantize_row), and
@@ -133,13 +133,13 @@ __attribute__((noinline)) void tile(const QuantizedRows& xq, int64_t row, const 
     for (int c = 0; c < C; ++c) {
       const uint8_t* halves = tiles + (c * groups + g) * kRecord + kCodeBytes;  // scales, then mins
       const __m256 scales = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(halves)));
+      __m256 mins = _mm256_setzero_ps();
+      if constexpr (F::kHasMins) mins = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(halves + 16)));
       for (int r = 0; r < R; ++r) {
         const int64_t x_group = (row + r) * x_groups + g;
         acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r][c]),
                                     _mm256_mul_ps(scales, _mm256_set1_ps(xq.scales[x_group])), acc[r][c]);
-        if constexpr (F::kHasMins)
-          acc[r][c] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(halves + 16))),
-                                      _mm256_set1_ps(xq.sums[x_group]), acc[r][c]);
+        if constexpr (F::kHasMins) acc[r][c] = _mm256_fmadd_ps(mins, _mm256_set1_ps(xq.sums[x_group]), acc[r][c]);
       }
     }
   }

@@ -287,7 +287,8 @@ class LlamaForCausalLM(nn.Module):
         """The first stage embeds input_ids; a later one continues from hidden (the previous stage's
         output; zeros when None, for a memory-profiling dummy step). The last stage returns normed
         hidden states, the others the residual stream to send on. kv_cache holds this stage's layers;
-        prompt_rows says which rows are prompt tokens (packed weights run them dense)."""
+        prompt_rows says which rows are prompt tokens (packed weights on torch's kernels run them
+        dense)."""
         if self.ps.is_first_stage:
             h = self.embed_tokens(input_ids)
         else:
