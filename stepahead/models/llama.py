@@ -266,8 +266,7 @@ class LlamaForCausalLM(nn.Module):
     def use_cpu_kernels(self) -> None:
         """Run rope, the MLP's activation and the norms (where the norm kernel is torch's arithmetic), and
         ask the runner to run decode attention, on stepahead's CPU kernels, and decode-only steps through
-        DecodeStack where every projection allows (the loader's choice for packed weights in float32:
-        torch's path stays the fp32 reference)."""
+        DecodeStack where every projection allows (the loader's choice for float32 on CPU)."""
         for module in self.modules():
             if isinstance(module, (Attention, MLP)):
                 module.kernel = True

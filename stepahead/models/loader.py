@@ -222,9 +222,9 @@ def load_model(model_config: ModelConfig, device: str, ps: ParallelState = SINGL
         model.load_weights(_iter_safetensors(Path(model_config.model)))
     if model_config.quantization != "none":
         quantized_loader.quantize_model(model, model_config.quantization, _quantized_sources(model_config))
-        # One-token steps on packed weights are bound by dispatching torch's small operators.
-        if device == "cpu" and dtype == torch.float32 and cpu_build.available():
-            model.use_cpu_kernels()
+    # Small steps are bound by dispatching torch's operators, on packed weights and dense ones alike.
+    if device == "cpu" and dtype == torch.float32 and cpu_build.available():
+        model.use_cpu_kernels()
     model.init_rope(max(model_config.max_model_len, 1), dtype, device)
     return model.eval().requires_grad_(False)
 

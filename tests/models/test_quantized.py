@@ -89,9 +89,11 @@ def test_quantized_gguf_model_follows_the_dequantized_one(quantized_gguf, use_ca
     assert _rel_err(layer.self_attn.qkv_proj.dequantized_weight(), dense.layers[0].self_attn.qkv_proj.weight) < 1e-2
     assert _rel_err(layer.mlp.down_proj.dequantized_weight(), dense.layers[0].mlp.down_proj.weight) < 1e-2
     assert type(layer.self_attn.o_proj).__name__ == "Int8Linear"  # Q8_0
-    # Packed float32 weights run rope and decode attention on stepahead's kernels; fp32 stays torch's.
-    assert packed.cpu_kernels == cpu_build.available() and layer.self_attn.kernel == packed.cpu_kernels
-    assert not dense.cpu_kernels and not dense.layers[0].self_attn.kernel
+    # float32 runs rope, norms and decode attention on stepahead's kernels, packed or dense; only
+    # packed projections run DecodeStack.
+    for model in (packed, dense):
+        assert model.cpu_kernels == cpu_build.available() and model.layers[0].self_attn.kernel == model.cpu_kernels
+    assert dense.decode_stack is None
     prompt = list(range(40, 104))
     a, b = sequence_logits(packed, prompt), sequence_logits(dense, prompt)
     assert float((a - b).abs().max()) < 0.05 * float(b.abs().max())
