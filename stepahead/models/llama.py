@@ -23,6 +23,7 @@ from stepahead.kernels import cpu_ops
 from stepahead.models.cpu_decode_stack import build_decode_stack
 from stepahead.models.parallel_layers import (
     ColumnParallelLinear,
+    ParallelLinear,
     ParallelLMHead,
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -274,6 +275,16 @@ class LlamaForCausalLM(nn.Module):
                 module.kernel = cpu_ops.rms_norm_is_torchs(module.weight.shape[0])
         self.cpu_kernels = True
         self.decode_stack = build_decode_stack(self)
+
+    def use_onednn(self) -> None:
+        """Run the dense projections and the head through oneDNN (models/onednn_linear.py), their
+        weights reordered once; for float32 on CPU, once loading is done (the runner's choice: the
+        plain weights are gone after it)."""
+        for module in self.modules():
+            if isinstance(module, ParallelLinear):
+                module.use_onednn()
+        if isinstance(self.lm_head, ParallelLMHead):
+            self.lm_head.use_onednn()
 
     def init_rope(self, max_positions: int, dtype: torch.dtype, device) -> None:
         pos = torch.arange(max_positions, dtype=torch.float64)

@@ -4,7 +4,8 @@
 ParallelLinear is the common base: find every linear layer of a built model with
 `isinstance(m, ParallelLinear)` (a quantized variant may replace one by its weights). At tp_size 1
 each layer runs exactly nn.Linear's / nn.Embedding's op on the full weight, so single-rank outputs
-are bit-identical to plain torch layers.
+are bit-identical to plain torch layers, until `use_onednn` reorders a float32 CPU weight for oneDNN
+(models/onednn_linear.py): the same product, summed in oneDNN's order.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from torch import nn
 
 from stepahead.distributed.comm import tp_all_gather_last_dim, tp_all_reduce
 from stepahead.distributed.state import SINGLE, ParallelState
+from stepahead.models import onednn_linear
 from stepahead.models.prompt_rows import PromptRows
 from stepahead.utils import cdiv
 
@@ -30,7 +32,11 @@ class ParallelLinear(nn.Linear):
         self.ps = ps
 
     def forward(self, x: torch.Tensor, prompt_rows: PromptRows | None = None) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return onednn_linear.linear(x, self.weight, self.bias)
+
+    def use_onednn(self) -> None:
+        """Hold the weight in oneDNN's layout instead of the plain one (float32 on CPU, after loading)."""
+        self.weight = nn.Parameter(onednn_linear.reorder(self.weight), requires_grad=False)
 
 
 class ColumnParallelLinear(ParallelLinear):
@@ -43,8 +49,8 @@ class RowParallelLinear(ParallelLinear):
 
     def forward(self, x: torch.Tensor, prompt_rows: PromptRows | None = None) -> torch.Tensor:
         if self.ps.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = tp_all_reduce(F.linear(x, self.weight), self.ps)
+            return onednn_linear.linear(x, self.weight, self.bias)
+        out = tp_all_reduce(onednn_linear.linear(x, self.weight, None), self.ps)
         return out if self.bias is None else out + self.bias
 
 
@@ -87,12 +93,22 @@ class ParallelLMHead(nn.Module):
         self._tied = [tied] if tied is not None else []  # a list: not registered as a submodule twice
         if tied is None:
             self.weight = nn.Parameter(torch.empty(vocab_shard(vocab_size, ps)[1], hidden_size))
+        self.onednn_weight: torch.Tensor | None = None  # a tied shard's copy in oneDNN's layout (use_onednn)
 
     def shard_weight(self) -> torch.Tensor:
         return self._tied[0].weight if self._tied else self.weight
 
+    def use_onednn(self) -> None:
+        """Multiply by a copy of the shard in oneDNN's layout (float32 on CPU, after loading). A tied
+        head keeps the embedding's plain weight for the lookup, so the copy costs its size again."""
+        if self._tied:
+            self.onednn_weight = onednn_linear.reorder(self.shard_weight())
+        else:
+            self.weight = nn.Parameter(onednn_linear.reorder(self.weight), requires_grad=False)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.shard_weight())
+        weight = self.onednn_weight if self.onednn_weight is not None else self.shard_weight()
+        logits = onednn_linear.linear(hidden, weight, None)
         if self.ps.tp_size == 1:
             return logits
         return tp_all_gather_last_dim(logits, self.ps)[..., : self.vocab_size]

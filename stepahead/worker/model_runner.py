@@ -27,6 +27,7 @@ from stepahead.config import EngineConfig
 from stepahead.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from stepahead.distributed import comm
 from stepahead.distributed.state import SINGLE, ParallelState
+from stepahead.models import onednn_linear
 from stepahead.models.loader import TORCH_DTYPES, load_model
 from stepahead.models.prompt_rows import ALL_PROMPT_ROWS, PromptRows
 from stepahead.tracing import TraceEvent
@@ -124,6 +125,8 @@ class ModelRunner:
         self.dtype = TORCH_DTYPES[model_config.dtype]
         self.block_size = cache_config.block_size
         self.model = load_model(model_config, config.device, ps)
+        if onednn_linear.available(self.device, self.dtype):
+            self.model.use_onednn()
         self.vocab_size = model_config.vocab_size
         self.eos_token_ids = [i for i in (model_config.eos_token_id, *model_config.extra_eos_token_ids) if i is not None]
         max_blocks_per_seq = cdiv(sched_config.max_model_len, cache_config.block_size)
