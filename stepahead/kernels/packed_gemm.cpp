@@ -211,34 +211,47 @@ void check_tiles(const at::Tensor& tiles, PackedWeight::Format format, int64_t N
 // Each value is rounded to bfloat16 first, as torch's kernels round theirs: a last-bit difference in an
 // activation (attention computed over another chunking of the same prompt, say) then almost never
 // reaches the codes, which 16-bit codes of the float32 value would pass on about once in 500 values.
+// A group's 32 values are four vectors: the rounding, |x|'s maximum, the codes (x * (32767 / max)
+// rounded to nearest even, as std::nearbyint) and their integer sum are each exact or order-free, so
+// the vectors give the scalar loop's results bit for bit, about five times faster.
 void quantize_row(const float* x, int64_t K, const QuantizedRows& q, int64_t row) {
   const int64_t groups = K / kGroup;
   int16_t* codes = q.codes + row * q.row_stride;
   float* scales = q.scales + row * (q.row_stride / kGroup);
   float* sums = q.sums + row * (q.row_stride / kGroup);
+  const __m256 sign = _mm256_set1_ps(-0.f), infinity = _mm256_set1_ps(INFINITY);
   for (int64_t i = 0; i < groups; ++i) {
-    float xg[kGroup];
-    for (int64_t j = 0; j < kGroup; ++j) xg[j] = round_to_bf16(x[i * kGroup + j]);
-    float amax = 0.f;
-    bool finite = true;
-    for (int64_t j = 0; j < kGroup; ++j) {
-      amax = std::max(amax, std::fabs(xg[j]));
-      finite = finite && std::isfinite(xg[j]);
+    __m256 v[kGroup / 8];
+    __m256 amax = _mm256_setzero_ps(), non_finite = _mm256_setzero_ps();
+    for (int k = 0; k < kGroup / 8; ++k) {
+      v[k] = round_to_bf16(_mm256_loadu_ps(x + i * kGroup + 8 * k));
+      const __m256 magnitude = _mm256_andnot_ps(sign, v[k]);
+      amax = _mm256_max_ps(amax, magnitude);
+      non_finite = _mm256_or_ps(non_finite, _mm256_cmp_ps(magnitude, infinity, _CMP_NLT_UQ));  // inf, NaN
     }
-    if (!finite) {  // codes 0 and a NaN scale: the row's outputs come out NaN, never finite garbage
+    if (_mm256_movemask_ps(non_finite) != 0) {  // codes 0 and a NaN scale: the row's outputs come out NaN
       std::fill_n(codes + i * kGroup, kGroup, int16_t{0});
       scales[i] = sums[i] = std::nanf("");
       continue;
     }
-    const float d = amax / kCodeMax, inv = amax > 0.f ? kCodeMax / amax : 0.f;
-    int32_t total = 0;
-    for (int64_t j = 0; j < kGroup; ++j) {
-      const int32_t v = static_cast<int32_t>(std::nearbyint(xg[j] * inv));
-      codes[i * kGroup + j] = static_cast<int16_t>(v);
-      total += v;
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    const float top = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+    const float d = top / kCodeMax, inv = top > 0.f ? kCodeMax / top : 0.f;
+    __m256i total = _mm256_setzero_si256();
+    for (int k = 0; k < kGroup / 8; k += 2) {
+      const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], _mm256_set1_ps(inv)));
+      const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(v[k + 1], _mm256_set1_ps(inv)));
+      total = _mm256_add_epi32(total, _mm256_add_epi32(a, b));
+      // packs interleaves the 128-bit halves (a0-3 b0-3 a4-7 b4-7); the permute puts them back in order
+      const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xd8);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + i * kGroup + 8 * k), packed);
     }
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
     scales[i] = d;
-    sums[i] = d * static_cast<float>(total);
+    sums[i] = d * static_cast<float>(_mm_cvtsi128_si32(t));
   }
 }
 
