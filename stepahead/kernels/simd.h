@@ -40,6 +40,16 @@ inline float sum_lanes(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// Lane i of the result: v[i]'s eight lanes added (pairs, then pairs of pairs, then the two halves),
+// for eight vectors at once.
+inline __m256 sum_lanes8(const __m256 v[8]) {
+  const __m256 s01 = _mm256_hadd_ps(v[0], v[1]), s23 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 s45 = _mm256_hadd_ps(v[4], v[5]), s67 = _mm256_hadd_ps(v[6], v[7]);
+  // lanes 0-3: the low halves' sums of v[0..3] (of v[4..7] for the second), lanes 4-7 the high halves'
+  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
 // sum(a * b) over n floats: eight lanes at a time, then the lanes, then the tail, always in that order.
 inline float dot(const float* a, const float* b, int64_t n) {
   __m256 acc = _mm256_setzero_ps();

@@ -106,3 +106,28 @@ def test_the_decode_kernel_agrees_with_sdpa_in_a_mixed_batch(block_size, kv_head
     assert torch.equal(kernel_cache.k[0], sdpa_cache.k[0]) and torch.equal(kernel_cache.v[0], sdpa_cache.v[0])
     torch.testing.assert_close(by_kernel[:start], by_sdpa[:start], atol=2e-6, rtol=1e-5)
     assert torch.equal(by_kernel[start:], by_sdpa[start:])
+
+
+@needs_kernels
+@pytest.mark.parametrize("head_dim,block_size", [(16, 16), (80, 16), (128, 32), (64, 5), (12, 8)])
+def test_the_decode_kernel_over_head_sizes_and_block_sizes(head_dim, block_size):
+    """Eight-token scores and 64 outputs held in registers (head sizes a multiple of 8, blocks of a
+    multiple of 8 tokens), the rest of a head past its multiple of 64, and the one-key-at-a-time path
+    (blocks of 5 tokens, heads of 12), against softmax(q k^T) v in float64."""
+    from stepahead.kernels import cpu_ops
+
+    torch.manual_seed(head_dim + block_size)
+    heads, kv_heads, lens = 6, 2, [1, 7, 8, 9, 40, 77]
+    width = max(-(-n // block_size) for n in lens)
+    k_cache, v_cache = torch.randn(2, kv_heads, len(lens) * width + 1, block_size, head_dim).unbind(0)
+    table = (torch.randperm(len(lens) * width) + 1).view(len(lens), width)
+    q = torch.randn(len(lens), heads, head_dim)
+    out = torch.empty_like(q)
+    cpu_ops.paged_decode_attention(q, k_cache.contiguous(), v_cache.contiguous(), table, torch.tensor(lens),
+                                   head_dim ** -0.5, out)
+    for r, n in enumerate(lens):
+        keys = k_cache[:, table[r]].reshape(kv_heads, -1, head_dim)[:, :n].double()
+        values = v_cache[:, table[r]].reshape(kv_heads, -1, head_dim)[:, :n].double()
+        qr = q[r].double().view(kv_heads, heads // kv_heads, head_dim)
+        weights = torch.softmax(qr @ keys.transpose(1, 2) * head_dim ** -0.5, dim=-1)
+        torch.testing.assert_close(out[r].double(), (weights @ values).reshape(heads, head_dim), rtol=1e-5, atol=1e-5)
