@@ -213,7 +213,7 @@ void check_tiles(const at::Tensor& tiles, PackedWeight::Format format, int64_t N
 // reaches the codes, which 16-bit codes of the float32 value would pass on about once in 500 values.
 // A group's 32 values are four vectors: the rounding, |x|'s maximum, the codes (x * (32767 / max)
 // rounded to nearest even, as std::nearbyint) and their integer sum are each exact or order-free, so
-// the vectors give the scalar loop's results bit for bit, about five times faster.
+// the vectors give the scalar loop's results bit for bit.
 void quantize_row(const float* x, int64_t K, const QuantizedRows& q, int64_t row) {
   const int64_t groups = K / kGroup;
   int16_t* codes = q.codes + row * q.row_stride;
