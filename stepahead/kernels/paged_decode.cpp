@@ -149,7 +149,7 @@ void PagedDecode::run(int64_t task, std::vector<float>& scratch) const {
       for (int i = 0; i < 8; ++i) sums[i] = _mm256_setzero_ps();
       for (int64_t t0 = 0; t0 < len; t0 += block_size_) {
         const float* values = v_ + offset(t0) + d0;
-        if (g == 0 && t0 + block_size_ < len) prefetch(v_ + offset(t0 + block_size_), block_size_ * hd);
+        if (g == 0 && d0 == 0 && t0 + block_size_ < len) prefetch(v_ + offset(t0 + block_size_), block_size_ * hd);
         for (int64_t t = t0; t < std::min(len, t0 + block_size_); ++t, values += hd) {
           const __m256 pt = _mm256_set1_ps(p[t]);
           for (int i = 0; i < 8; ++i) sums[i] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(values + 8 * i), sums[i]);
