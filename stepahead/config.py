@@ -13,6 +13,8 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_KV_CACHE_BYTES_CPU = 2 << 30
 # --quantization (models/quantized_loader.py says what each means).
 QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8", "int4")
+# --kv-cache-dtype (engine/arg_utils.py, resolve_kv_cache_dtype, says what "auto" picks).
+KV_CACHE_DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 
 @dataclass
 class ModelConfig:
@@ -45,8 +47,9 @@ class ModelConfig:
     # "int4"/"int8": projections quantized at load (CPU; models/quantized_loader.py). Never "auto".
     quantization: str = "none"
 
-    def kv_bytes_per_token(self) -> int:
-        itemsize = 4 if self.dtype == "float32" else 2
+    def kv_bytes_per_token(self, cache_dtype: str | None = None) -> int:
+        """K and V of one token in every layer, held in cache_dtype (default: the model's dtype)."""
+        itemsize = 4 if (cache_dtype or self.dtype) == "float32" else 2
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
 
 
@@ -82,6 +85,9 @@ class CacheConfig:
     # Set on CUDA when no pool size was given: the worker sizes the pool from this fraction of the
     # device's memory (num_blocks is then the most it may use) and reports the size it chose.
     gpu_memory_utilization: float | None = None
+    # What the KV cache holds (resolved from --kv-cache-dtype): "float32" | "bfloat16" | "float16";
+    # None: the model's dtype.
+    cache_dtype: str | None = None
 
     def __post_init__(self) -> None:
         check_field(self.block_size >= 1, "block_size", self.block_size, "must be >= 1")

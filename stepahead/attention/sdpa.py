@@ -161,22 +161,39 @@ def stage_metadata(rows: list[BatchRow], num_decode_rows: int, staging, block_si
     return StagedMetadata(groups, prefills, lens_offset, decode_kernel)
 
 
-def write_kv(kv: LayerKV, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store the new tokens' K/V ([num_tokens, kv_heads, head_dim]) at their slots."""
+def write_kv(kv: LayerKV, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Store the new tokens' K/V ([num_tokens, kv_heads, head_dim]) at their slots, and return them as
+    the cache holds them, in their own dtype: rounded to its values where the cache's dtype is narrower
+    (a bfloat16 cache under a float32 model), so that a prompt's tokens attend to the same keys whether
+    they come from this step or from the cache (chunked equal to unchunked, cached equal to uncached)."""
     nkv, hd = k.shape[1], k.shape[2]
-    kv.k_cache.view(nkv, -1, hd).index_copy_(1, slot_mapping, k.transpose(0, 1))
-    kv.v_cache.view(nkv, -1, hd).index_copy_(1, slot_mapping, v.transpose(0, 1))
+    stored_k, stored_v = k.to(kv.k_cache.dtype), v.to(kv.v_cache.dtype)
+    if stored_k.dtype == torch.float16 and k.dtype != torch.float16:
+        check_float16_range(stored_k, stored_v)
+    kv.k_cache.view(nkv, -1, hd).index_copy_(1, slot_mapping, stored_k.transpose(0, 1))
+    kv.v_cache.view(nkv, -1, hd).index_copy_(1, slot_mapping, stored_v.transpose(0, 1))
+    return stored_k.to(k.dtype), stored_v.to(v.dtype)
 
 
-def _gather(kv: LayerKV, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K/V of the blocks in block_table ([rows, nb] or [nb]) as [kv_heads, rows, nb * block_size, head_dim]."""
+def check_float16_range(k: torch.Tensor, v: torch.Tensor) -> None:
+    """A value beyond float16's range becomes infinity in a float16 cache and attention's output NaN:
+    fail the step loudly rather than let it sample from garbage."""
+    if bool(torch.isinf(k).any() | torch.isinf(v).any()):
+        raise RuntimeError("a key or value is beyond float16's range (65504), which the KV cache holds: "
+                           "run with --kv-cache-dtype bfloat16 or float32")
+
+
+def _gather(kv: LayerKV, block_table: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V of the blocks in block_table ([rows, nb] or [nb]) as [kv_heads, rows, nb * block_size, head_dim]
+    tensors of dtype (the queries')."""
     flat = block_table.reshape(-1)
     nkv, nb_total, _bs, hd = kv.k_cache.shape
     kbuf, vbuf = kv.scratch.get(nkv, flat.shape[0])
     torch.index_select(kv.k_cache.view(nkv, nb_total, -1), 1, flat, out=kbuf)
     torch.index_select(kv.v_cache.view(nkv, nb_total, -1), 1, flat, out=vbuf)
     rows = block_table.shape[0] if block_table.dim() == 2 else 1
-    return kbuf.view(nkv, rows, -1, hd), vbuf.view(nkv, rows, -1, hd)
+    return kbuf.view(nkv, rows, -1, hd).to(dtype), vbuf.view(nkv, rows, -1, hd).to(dtype)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV,
@@ -185,7 +202,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Layer
 
     Writes the new K/V into the cache first, so every row reads its own new tokens from there too.
     """
-    write_kv(kv, k, v, meta.slot_mapping)
+    k, v = write_kv(kv, k, v, meta.slot_mapping)
     num_tokens, num_heads, hd = q.shape
     nkv = k.shape[1]
     group = num_heads // nkv
@@ -198,7 +215,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Layer
         # Grouped-query trick: the `group` query heads that share a KV head become `group` query rows,
         # so no K/V repeat is needed. SDPA sees kv heads as its batch and rows as its heads.
         nd = g.end - g.start
-        kd, vd = _gather(kv, g.block_table)
+        kd, vd = _gather(kv, g.block_table, q.dtype)
         qd = q[g.start:g.end].view(nd, nkv, group, hd).transpose(0, 1)
         o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale)
         out[g.start:g.end] = o.transpose(0, 1).reshape(nd, num_heads, hd)
@@ -210,7 +227,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Layer
             vp = v[row.start:row.end].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=group > 1)
         else:
-            kc, vc = _gather(kv, row.block_table)
+            kc, vc = _gather(kv, row.block_table, q.dtype)
             total = row.context_len + n
             kp = kc[:, :, :total].transpose(0, 1)  # [1, kv_heads, total, hd]
             vp = vc[:, :, :total].transpose(0, 1)

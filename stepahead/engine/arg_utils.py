@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from stepahead.config import (
     DEFAULT_KV_CACHE_BYTES_CPU,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    KV_CACHE_DTYPE_CHOICES,
     QUANTIZATION_CHOICES,
     CacheConfig,
     EngineConfig,
@@ -31,6 +32,7 @@ CHOICES = {
     "attention_backend": ("auto", "sdpa", "triton"),
     "structured_outputs_backend": ("xgrammar", "none"),
     "quantization": QUANTIZATION_CHOICES,
+    "kv_cache_dtype": KV_CACHE_DTYPE_CHOICES,
 }
 
 
@@ -55,6 +57,10 @@ class EngineArgs:
     max_num_batched_tokens: int | None = _arg(
         None, "most tokens in one step (default: 2048, or max_model_len without chunked prefill)")
     block_size: int = _arg(16, "tokens per KV-cache block")
+    kv_cache_dtype: str = _arg(
+        "auto", "what the KV cache holds: 'auto' (default): float16 under packed (quantized) weights on CPU "
+                "(half the bytes a decode step's attention reads), else the model's dtype; 'float16', 'bfloat16' "
+                "or 'float32' (other than the model's dtype only with the sdpa attention backend)")
     num_kv_blocks: int | None = _arg(None, "KV pool size in blocks, overriding the memory budget")
     kv_cache_memory_bytes: int | None = _arg(None, "KV pool budget in bytes")
     gpu_memory_utilization: float = _arg(
@@ -150,6 +156,8 @@ class EngineArgs:
             generation_config=self.generation_config, chat_template=self.chat_template,
             quantization=quantization_for_ranks(self.quantization, parallel_config))
         check_parallel(parallel_config, model_config, device, self.resolve_executor())
+        attention_backend = resolve_attention_backend(self.attention_backend, device)
+        cache_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, model_config, attention_backend)
         max_model_len = model_config.max_model_len
         max_batched = self.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS,
                                                          0 if self.enable_chunked_prefill else max_model_len)
@@ -170,7 +178,7 @@ class EngineArgs:
             num_blocks, gpu_memory_utilization = max_useful_blocks, self.gpu_memory_utilization
         elif num_blocks is None:
             budget = self.kv_cache_memory_bytes or DEFAULT_KV_CACHE_BYTES_CPU
-            num_blocks = min(budget // (self.block_size * model_config.kv_bytes_per_token()), max_useful_blocks)
+            num_blocks = min(budget // (self.block_size * model_config.kv_bytes_per_token(cache_dtype)), max_useful_blocks)
         check_field(num_blocks - 1 >= blocks_per_seq, "num_kv_blocks", num_blocks,
                     f"must hold one max_model_len ({max_model_len}) sequence: at least {blocks_per_seq + 1} "
                     f"blocks of {self.block_size} tokens (block 0 is reserved); lower max_model_len or raise the pool")
@@ -180,6 +188,7 @@ class EngineArgs:
             enable_prefix_caching=self.enable_prefix_caching,
             defer_block_free=self.defer_block_free,
             gpu_memory_utilization=gpu_memory_utilization,
+            cache_dtype=cache_dtype,
         )
         # Every executor and feature stepahead has supports async scheduling (a step holding a grammar
         # defers its sampling instead), so unset means on.
@@ -196,7 +205,7 @@ class EngineArgs:
             device=device,
             num_threads=self.num_threads,
             trace=self.trace,
-            attention_backend=resolve_attention_backend(self.attention_backend, device),
+            attention_backend=attention_backend,
             enforce_eager=self.enforce_eager,
             # One rank only: with more, outputs come back from the sampler rank synchronously.
             async_output=(device == "cuda" if self.async_output is None else self.async_output)
@@ -233,6 +242,21 @@ def quantization_for_ranks(requested: str, parallel: ParallelConfig) -> str:
                          f"{parallel.tensor_parallel_size}, pipeline_parallel_size={parallel.pipeline_parallel_size}); "
                          "use 'auto' or 'none'")
     return "none"
+
+
+def resolve_kv_cache_dtype(requested: str, model_config, attention_backend: str) -> str:
+    """'auto' -> float16 where packed weights run on CPU (llama.cpp's default cache type too): a decode
+    step's attention reads half the bytes. Their projections give bfloat16 values, which float16 holds
+    exactly in its range but for rope's rounding of K; a bfloat16 cache would round K 8x coarser, and
+    flipped the built-in model's first answer. Values beyond float16's range fail the step loudly.
+    Else the model's dtype, as vLLM's 'auto'. A cache of another dtype than the model's needs the sdpa
+    backend, which widens what it reads (the Triton kernels read the model's dtype)."""
+    if requested == "auto":
+        packed = model_config.quantization != "none"
+        return "float16" if packed and attention_backend == "sdpa" else model_config.dtype
+    check_field(requested == model_config.dtype or attention_backend == "sdpa", "kv_cache_dtype", requested,
+                f"must be the model's dtype ({model_config.dtype}) with the {attention_backend} attention backend")
+    return requested
 
 
 def resolve_attention_backend(name: str, device: str) -> str:

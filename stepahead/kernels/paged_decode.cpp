@@ -1,13 +1,17 @@
 // Decode attention over the paged KV cache on CPU: one new token per row, its keys read through the
 // row's block table where they lie, with no gather into a scratch buffer, no padding and no mask.
 //
-// The cache is head-major, [kv_heads, blocks, block_size, head_dim] float32 (attention/paged_cache.py).
+// The cache is head-major, [kv_heads, blocks, block_size, head_dim] (attention/paged_cache.py), of
+// float32, bfloat16 or float16 values; 16-bit ones widen to float32 exactly, so the arithmetic is
+// float32's either way and a 16-bit cache only halves the bytes a step reads.
 // Query head h attends with KV head h / (heads / kv_heads), as grouped-query checkpoints expect. Each
 // (row, KV head) is one task (PagedDecode::run). Nothing in a row's arithmetic depends on the
 // other rows or the thread that runs it, so a token's attention is bitwise the same in any batch.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -34,9 +38,27 @@ inline void axpy(float p, const float* v, float* out, int64_t n) {
   for (; i < n; ++i) out[i] = std::fma(p, v[i], out[i]);
 }
 
-// Asks for the cache lines of n floats from p.
-inline void prefetch(const float* p, int64_t n) {
-  for (int64_t i = 0; i < n; i += 16) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T0);
+// Asks for the cache lines of n values from p.
+template <typename T>
+inline void prefetch(const T* p, int64_t n) {
+  const char* bytes = reinterpret_cast<const char*>(p);
+  for (int64_t i = 0; i < n * static_cast<int64_t>(sizeof(T)); i += 64) _mm_prefetch(bytes + i, _MM_HINT_T0);
+}
+
+// Eight values from p as floats (each exactly).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {  // the upper half of a float's bits
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+// n values from p as floats: p itself, or p's values widened into buffer.
+inline const float* as_floats(const float* p, int64_t, float*) { return p; }
+template <typename T>
+inline const float* as_floats(const T* p, int64_t n, float* buffer) {
+  for (int64_t i = 0; i < n; ++i) buffer[i] = static_cast<float>(p[i]);
+  return buffer;
 }
 
 }  // namespace
@@ -48,9 +70,13 @@ PagedDecode::PagedDecode(const at::Tensor& q, const at::Tensor& k_cache, const a
                          const at::Tensor& block_table, const at::Tensor& seq_lens, double scale, at::Tensor& out) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1,
               "q must be a float32 [rows, heads, head_dim] tensor with unit stride in head_dim");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() &&
-                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kFloat && v_cache.is_contiguous(),
-              "k_cache and v_cache must be contiguous float32 [kv_heads, blocks, block_size, head_dim] tensors");
+  cache_type_ = k_cache.scalar_type();
+  TORCH_CHECK(k_cache.dim() == 4 &&
+                  (cache_type_ == at::kFloat || cache_type_ == at::kBFloat16 || cache_type_ == at::kHalf) &&
+                  k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.scalar_type() == cache_type_ && v_cache.is_contiguous(),
+              "k_cache and v_cache must be contiguous [kv_heads, blocks, block_size, head_dim] tensors, both "
+              "float32, both bfloat16 or both float16");
   rows_ = q.size(0), heads_ = q.size(1), head_dim_ = q.size(2), kv_heads_ = k_cache.size(0);
   TORCH_CHECK(k_cache.size(3) == head_dim_ && heads_ % kv_heads_ == 0,
               "q's heads must be a multiple of the cache's KV heads");
@@ -62,7 +88,7 @@ PagedDecode::PagedDecode(const at::Tensor& q, const at::Tensor& k_cache, const a
               "seq_lens must be a contiguous int64 [rows] tensor");
   TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == at::kFloat && out.is_contiguous(),
               "out must be a contiguous float32 tensor shaped like q");
-  q_ = q.data_ptr<float>(), k_ = k_cache.data_ptr<float>(), v_ = v_cache.data_ptr<float>();
+  q_ = q.data_ptr<float>(), k_ = k_cache.data_ptr(), v_ = v_cache.data_ptr();
   tables_ = block_table.data_ptr<int64_t>(), lens_ = seq_lens.data_ptr<int64_t>(), out_ = out.data_ptr<float>();
   blocks_ = k_cache.size(1), block_size_ = k_cache.size(2);
   q_row_stride_ = q.stride(0), q_head_stride_ = q.stride(1), table_stride_ = block_table.stride(0);
@@ -91,6 +117,17 @@ PagedDecode::PagedDecode(const at::Tensor& q, const at::Tensor& k_cache, const a
 // threads: 531-642 against 407-446 us per layer. Either way a row's arithmetic is fixed by the row
 // alone.
 void PagedDecode::run(int64_t task, std::vector<float>& scratch) const {
+  switch (cache_type_) {
+    case at::kBFloat16: return run_as<c10::BFloat16>(task, scratch);
+    case at::kHalf: return run_as<c10::Half>(task, scratch);
+    default: return run_as<float>(task, scratch);
+  }
+}
+
+template <typename T>
+void PagedDecode::run_as(int64_t task, std::vector<float>& scratch) const {
+  const T* k_cache = static_cast<const T*>(k_);
+  const T* v_cache = static_cast<const T*>(v_);
   const int64_t row = task / kv_heads_, kv_head = task % kv_heads_, group = heads_ / kv_heads_;
   const int64_t hd = head_dim_, len = lens_[row], padded = (len + 7) / 8 * 8;
   const int64_t* table = tables_ + row * table_stride_;
@@ -98,18 +135,19 @@ void PagedDecode::run(int64_t task, std::vector<float>& scratch) const {
   const auto offset = [&](int64_t t) {
     return ((kv_head * blocks_ + table[t / block_size_]) * block_size_ + t % block_size_) * hd;
   };
-  scratch.resize(group * (padded + hd + 1));
+  scratch.resize(group * (padded + hd + 1) + hd);
   float* probs = scratch.data();         // [group, padded]: past len -inf, whose e^x is 0
   float* acc = probs + group * padded;   // [group, hd]
   float* totals = acc + group * hd;      // [group]
+  float* widened = totals + group;       // [hd]: one 16-bit key or value as floats (unvectorized path)
   const float* q = q_ + row * q_row_stride_ + kv_head * group * q_head_stride_;
   const bool vectors = hd % 8 == 0 && block_size_ % 8 == 0;
   if (vectors) {
     for (int64_t t0 = 0; t0 < len; t0 += 8) {
       // eight tokens of one block; past len the last key again, its score overwritten below
-      const float* first = k_ + offset(t0);
-      if (t0 + 32 < len) prefetch(k_ + offset(t0 + 32), 8 * hd);  // blocks are scattered: ask ahead
-      const float* keys[8];
+      const T* first = k_cache + offset(t0);
+      if (t0 + 32 < len) prefetch(k_cache + offset(t0 + 32), 8 * hd);  // blocks are scattered: ask ahead
+      const T* keys[8];
       for (int64_t i = 0; i < 8; ++i) keys[i] = first + std::min(i, len - 1 - t0) * hd;
       for (int64_t g = 0; g < group; ++g) {
         const float* qg = q + g * q_head_stride_;
@@ -117,14 +155,14 @@ void PagedDecode::run(int64_t task, std::vector<float>& scratch) const {
         for (int i = 0; i < 8; ++i) sums[i] = _mm256_setzero_ps();
         for (int64_t d = 0; d < hd; d += 8) {
           const __m256 qv = _mm256_loadu_ps(qg + d);
-          for (int i = 0; i < 8; ++i) sums[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys[i] + d), sums[i]);
+          for (int i = 0; i < 8; ++i) sums[i] = _mm256_fmadd_ps(qv, load8(keys[i] + d), sums[i]);
         }
         _mm256_storeu_ps(probs + g * padded + t0, _mm256_mul_ps(sum_lanes8(sums), _mm256_set1_ps(scale_)));
       }
     }
   } else {
     for (int64_t t = 0; t < len; ++t) {
-      const float* key = k_ + offset(t);
+      const float* key = as_floats(k_cache + offset(t), hd, widened);
       for (int64_t g = 0; g < group; ++g) probs[g * padded + t] = dot(q + g * q_head_stride_, key, hd) * scale_;
     }
   }
@@ -148,11 +186,11 @@ void PagedDecode::run(int64_t task, std::vector<float>& scratch) const {
       __m256 sums[8];
       for (int i = 0; i < 8; ++i) sums[i] = _mm256_setzero_ps();
       for (int64_t t0 = 0; t0 < len; t0 += block_size_) {
-        const float* values = v_ + offset(t0) + d0;
-        if (g == 0 && d0 == 0 && t0 + block_size_ < len) prefetch(v_ + offset(t0 + block_size_), block_size_ * hd);
+        const T* values = v_cache + offset(t0) + d0;
+        if (g == 0 && d0 == 0 && t0 + block_size_ < len) prefetch(v_cache + offset(t0 + block_size_), block_size_ * hd);
         for (int64_t t = t0; t < std::min(len, t0 + block_size_); ++t, values += hd) {
           const __m256 pt = _mm256_set1_ps(p[t]);
-          for (int i = 0; i < 8; ++i) sums[i] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(values + 8 * i), sums[i]);
+          for (int i = 0; i < 8; ++i) sums[i] = _mm256_fmadd_ps(pt, load8(values + 8 * i), sums[i]);
         }
       }
       for (int i = 0; i < 8; ++i) _mm256_storeu_ps(acc + g * hd + d0 + 8 * i, sums[i]);
@@ -160,7 +198,7 @@ void PagedDecode::run(int64_t task, std::vector<float>& scratch) const {
   }
   if (held < hd) {
     for (int64_t t = 0; t < len; ++t) {
-      const float* value = v_ + offset(t) + held;
+      const float* value = as_floats(v_cache + offset(t) + held, hd - held, widened);
       for (int64_t g = 0; g < group; ++g) axpy(probs[g * padded + t], value, acc + g * hd + held, hd - held);
     }
   }

@@ -24,9 +24,14 @@ class PagedDecode {
   void run(int64_t task, std::vector<float>& scratch) const;
 
  private:
+  // run() over caches of element type T: float, c10::BFloat16 or c10::Half
+  template <typename T>
+  void run_as(int64_t task, std::vector<float>& scratch) const;
+
   const float* q_;
-  const float* k_;
-  const float* v_;
+  const void* k_;
+  const void* v_;
+  at::ScalarType cache_type_;
   const int64_t* tables_;
   const int64_t* lens_;
   float* out_;

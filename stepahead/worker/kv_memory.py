@@ -95,7 +95,8 @@ def blocks_from_memory(runner: ProfiledRunner, gpu_memory_utilization: float, ma
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()
     profile = MemoryProfile(total, total - free, largest_step, graphs)
-    bytes_per_block = runner.block_size * runner.config.model_config.kv_bytes_per_token()
+    bytes_per_block = runner.block_size * runner.config.model_config.kv_bytes_per_token(
+        runner.config.cache_config.cache_dtype)
     num_blocks = kv_pool_blocks(profile, gpu_memory_utilization, bytes_per_block,
                                 runner.config.cache_config.num_blocks)
     if num_blocks - 1 < max_blocks_per_seq:

@@ -180,8 +180,9 @@ class ModelRunner:
     def new_kv_cache(self, num_blocks: int) -> PagedKVCache:
         """The KV of this rank's layers (its pipeline stage's) and KV heads (its tensor shard)."""
         m = self.config.model_config
+        cache_dtype = TORCH_DTYPES[self.config.cache_config.cache_dtype or m.dtype]
         return PagedKVCache(len(self.model.layers), num_blocks, self.block_size, self.model.shard.num_kv_heads,
-                            m.head_dim, self.dtype, self.device)
+                            m.head_dim, cache_dtype, self.device)
 
     # ---- state updates from the scheduler's diffs ----
 

@@ -109,17 +109,19 @@ def test_the_decode_kernel_agrees_with_sdpa_in_a_mixed_batch(block_size, kv_head
 
 
 @needs_kernels
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("head_dim,block_size", [(16, 16), (80, 16), (128, 32), (64, 5), (12, 8)])
-def test_the_decode_kernel_over_head_sizes_and_block_sizes(head_dim, block_size):
+def test_the_decode_kernel_over_head_sizes_and_block_sizes(head_dim, block_size, cache_dtype):
     """Eight-token scores and 64 outputs held in registers (head sizes a multiple of 8, blocks of a
     multiple of 8 tokens), the rest of a head past its multiple of 64, and the one-key-at-a-time path
-    (blocks of 5 tokens, heads of 12), against softmax(q k^T) v in float64."""
+    (blocks of 5 tokens, heads of 12), against softmax(q k^T) v in float64 over the cache's values
+    (16-bit ones widen exactly, so only the float32 arithmetic differs)."""
     from stepahead.kernels import cpu_ops
 
     torch.manual_seed(head_dim + block_size)
     heads, kv_heads, lens = 6, 2, [1, 7, 8, 9, 40, 77]
     width = max(-(-n // block_size) for n in lens)
-    k_cache, v_cache = torch.randn(2, kv_heads, len(lens) * width + 1, block_size, head_dim).unbind(0)
+    k_cache, v_cache = torch.randn(2, kv_heads, len(lens) * width + 1, block_size, head_dim).to(cache_dtype).unbind(0)
     table = (torch.randperm(len(lens) * width) + 1).view(len(lens), width)
     q = torch.randn(len(lens), heads, head_dim)
     out = torch.empty_like(q)
@@ -131,3 +133,42 @@ def test_the_decode_kernel_over_head_sizes_and_block_sizes(head_dim, block_size)
         qr = q[r].double().view(kv_heads, heads // kv_heads, head_dim)
         weights = torch.softmax(qr @ keys.transpose(1, 2) * head_dim ** -0.5, dim=-1)
         torch.testing.assert_close(out[r].double(), (weights @ values).reshape(heads, head_dim), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("decode_kernel", PATHS)
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+def test_a_16_bit_cache_holds_the_rounded_keys_every_row_attends_to(decode_kernel, cache_dtype):
+    """Under a float32 model, a 16-bit cache stores the new K/V rounded as torch converts them, and a
+    prompt attends to those rounded values even where it reads them from the step itself, not the cache:
+    a prompt in one step equals the same prompt in two chunks (the second reading the first from the
+    cache), and the decode rows equal the float32 path over the rounded values."""
+    torch.manual_seed(3)
+    block = 16
+    cache = PagedKVCache(1, 8, block, KV_HEADS, HEAD_DIM, cache_dtype, "cpu")
+    chunked = PagedKVCache(1, 8, block, KV_HEADS, HEAD_DIM, cache_dtype, "cpu")
+    rounded = PagedKVCache(1, 8, block, KV_HEADS, HEAD_DIM, torch.float32, "cpu")
+    q = torch.randn(20, HEADS, HEAD_DIM)
+    k, v = torch.randn(20, KV_HEADS, HEAD_DIM) * 3, torch.randn(20, KV_HEADS, HEAD_DIM) * 3
+    whole = _attend(q, k, v, cache, [BatchRow(0, 20, 0, [1, 2])], decode_kernel, block)
+    assert torch.equal(cache.k[0][:, 1].flatten(1), k[:16].to(cache_dtype).transpose(0, 1).flatten(1))
+    first = _attend(q[:13], k[:13], v[:13], chunked, [BatchRow(0, 13, 0, [1])], decode_kernel, block)
+    second = _attend(q[13:], k[13:], v[13:], chunked, [BatchRow(0, 7, 13, [1, 2])], decode_kernel, block)
+    torch.testing.assert_close(torch.cat([first, second]), whole, atol=1e-5, rtol=1e-5)
+    # one decode row over the 20 cached keys and its own new one, against float32 over rounded values
+    qd, kd, vd = torch.randn(1, HEADS, HEAD_DIM), torch.randn(1, KV_HEADS, HEAD_DIM), torch.randn(1, KV_HEADS, HEAD_DIM)
+    got = _attend(qd, kd, vd, cache, [BatchRow(0, 1, 20, [1, 2])], decode_kernel, block)
+    rounded.k[0].copy_(cache.k[0])
+    rounded.v[0].copy_(cache.v[0])
+    want = _attend(qd, kd.to(cache_dtype).float(), vd.to(cache_dtype).float(), rounded,
+                   [BatchRow(0, 1, 20, [1, 2])], decode_kernel, block)
+    assert torch.equal(got, want)
+
+
+def test_a_value_beyond_float16_fails_the_step_loudly():
+    cache = PagedKVCache(1, 4, 16, KV_HEADS, HEAD_DIM, torch.float16, "cpu")
+    q, k, v = torch.randn(3, HEADS, HEAD_DIM), torch.randn(3, KV_HEADS, HEAD_DIM), torch.randn(3, KV_HEADS, HEAD_DIM)
+    k[1, 2, 5] = 70000.0  # float16's largest finite value is 65504
+    with pytest.raises(RuntimeError, match="beyond float16's range"):
+        _attend(q, k, v, cache, [BatchRow(0, 3, 0, [1])], False, 16)
+    k[1, 2, 5] = 65000.0  # in range: rounds, does not fail
+    _attend(q, k, v, cache, [BatchRow(0, 3, 0, [1])], False, 16)

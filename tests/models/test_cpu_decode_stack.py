@@ -34,9 +34,9 @@ def _step(model, cache: PagedKVCache, rows: list[BatchRow], ids: torch.Tensor) -
     return model(ids, torch.tensor(positions), cache, meta)
 
 
-def _random_cache(model, seed: int) -> PagedKVCache:
+def _random_cache(model, seed: int, dtype: torch.dtype = torch.float32) -> PagedKVCache:
     a = model.args
-    cache = PagedKVCache(a.num_layers, 40, BLOCK, a.num_kv_heads, a.head_dim, torch.float32, "cpu")
+    cache = PagedKVCache(a.num_layers, 40, BLOCK, a.num_kv_heads, a.head_dim, dtype, "cpu")
     gen = torch.Generator().manual_seed(seed)
     for t in cache.k + cache.v:
         t.copy_(torch.randn(t.shape, generator=gen))
@@ -45,7 +45,7 @@ def _random_cache(model, seed: int) -> PagedKVCache:
 
 def _clone(cache: PagedKVCache) -> PagedKVCache:
     copy = PagedKVCache(len(cache.k), cache.k[0].shape[1], BLOCK, cache.num_kv_heads, cache.head_dim,
-                        torch.float32, "cpu")
+                        cache.k[0].dtype, "cpu")
     for dst, src in zip(copy.k + copy.v, cache.k + cache.v, strict=True):
         dst.copy_(src)
     return copy
@@ -60,16 +60,19 @@ def threads(request):
     torch.set_num_threads(before)
 
 
-# qwen2: biased q/k/v projections; 3 threads on this 2-core machine: more threads than cores
-@pytest.mark.parametrize("arch,threads", [("llama", 2), ("qwen2", 2), ("llama", 1), ("llama", 3)],
-                         indirect=["threads"])
-def test_a_decode_step_in_one_call_is_the_layers_step_bitwise(tiny_model_factory, arch, threads):
+# qwen2: biased q/k/v projections; 3 threads on this 2-core machine: more threads than cores; 16-bit
+# caches: the K/V written rounded as torch rounds them
+@pytest.mark.parametrize("arch,threads,cache_dtype", [
+    ("llama", 2, torch.float32), ("qwen2", 2, torch.float32), ("llama", 1, torch.float32),
+    ("llama", 3, torch.float32), ("llama", 2, torch.float16), ("qwen2", 2, torch.bfloat16)],
+    indirect=["threads"])
+def test_a_decode_step_in_one_call_is_the_layers_step_bitwise(tiny_model_factory, arch, threads, cache_dtype):
     model = load_model(load_model_config(str(tiny_model_factory(arch)), "cpu", quantization="int4"), "cpu")
     assert model.cpu_kernels and model.decode_stack is not None
     # Three decode rows of 5, 17 and 70 cached tokens on scattered blocks.
     rows = [BatchRow(0, 1, 5, [7]), BatchRow(1, 1, 17, [3, 12]), BatchRow(2, 1, 70, [20, 2, 9, 31, 14])]
     ids = torch.tensor([11, 22, 33])
-    cache = _random_cache(model, 0)
+    cache = _random_cache(model, 0, cache_dtype)
     in_one_call, by_layers = _clone(cache), _clone(cache)
     fast = _step(model, in_one_call, rows, ids)
     stack, model.decode_stack = model.decode_stack, None
@@ -103,3 +106,14 @@ def test_steps_with_a_prefill_and_unsupported_models_keep_the_layers(tiny_model_
     assert torch.equal(mixed, by_layers)
     # and the decode row's result equals its decode-only step's, which runs in one call
     assert torch.equal(_step(model, _clone(cache), rows[:1], ids[:1])[0], mixed[0])
+
+
+def test_a_value_beyond_a_float16_cache_fails_the_step_in_one_call_too(tiny_model_factory):
+    model = load_model(load_model_config(str(tiny_model_factory("llama")), "cpu", quantization="int4"), "cpu")
+    with torch.no_grad():
+        model.layers[0].input_layernorm.weight.mul_(1e6)  # K and V far beyond float16's 65504
+    rows = [BatchRow(0, 1, 5, [7])]
+    for stack in (model.decode_stack, None):
+        model.decode_stack = stack
+        with pytest.raises(RuntimeError, match="beyond float16's range"):
+            _step(model, _random_cache(model, 2, torch.float16), rows, torch.tensor([11]))
