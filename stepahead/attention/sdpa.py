@@ -165,7 +165,7 @@ def write_kv(kv: LayerKV, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Store the new tokens' K/V ([num_tokens, kv_heads, head_dim]) at their slots, and return them as
     the cache holds them, in their own dtype: rounded to its values where the cache's dtype is narrower
-    (a bfloat16 cache under a float32 model), so that a prompt's tokens attend to the same keys whether
+    (a 16-bit cache under a float32 model), so that a prompt's tokens attend to the same keys whether
     they come from this step or from the cache (chunked equal to unchunked, cached equal to uncached)."""
     nkv, hd = k.shape[1], k.shape[2]
     stored_k, stored_v = k.to(kv.k_cache.dtype), v.to(kv.v_cache.dtype)
