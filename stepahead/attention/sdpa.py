@@ -166,8 +166,13 @@ def write_kv(kv: LayerKV, k: torch.Tensor, v: torch.Tensor,
     """Store the new tokens' K/V ([num_tokens, kv_heads, head_dim]) at their slots, and return them as
     the cache holds them, in their own dtype: rounded to its values where the cache's dtype is narrower
     (a 16-bit cache under a float32 model), so that a prompt's tokens attend to the same keys whether
-    they come from this step or from the cache (chunked equal to unchunked, cached equal to uncached)."""
+    they come from this step or from the cache (chunked equal to unchunked, cached equal to uncached).
+    On CPU with stepahead's kernels a 16-bit cache is written in one pass (kernels/kv_store.cpp) that
+    rounds k and v in place; torch's operators otherwise."""
     nkv, hd = k.shape[1], k.shape[2]
+    if kv.k_cache.dtype in (torch.float16, torch.bfloat16) and k.dtype == torch.float32 and cpu_ops.available():
+        cpu_ops.write_kv_rows(k, v, kv.k_cache, kv.v_cache, slot_mapping)  # k and v rounded in place
+        return k, v
     stored_k, stored_v = k.to(kv.k_cache.dtype), v.to(kv.v_cache.dtype)
     if stored_k.dtype == torch.float16 and k.dtype != torch.float16:
         check_float16_range(stored_k, stored_v)

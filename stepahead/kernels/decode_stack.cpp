@@ -5,8 +5,8 @@
 // layers deep. This runs the same arithmetic in the same order from C++: the kernels the Python
 // layers call (rms_norm with torch's arithmetic, or torch's own where that is not available; int4
 // GEMM, rope, silu(gate) * up, decode attention), and the residual adds and K/V writes, which are
-// single float additions and copies (into a 16-bit cache rounded as torch rounds). Its outputs are
-// bitwise the Python path's (tested), and a row's result still depends on the row alone.
+// single float additions and copies (into a 16-bit cache rounded as torch rounds, kv_store.h). Its
+// outputs are bitwise the Python path's (tested), and a row's result still depends on the row alone.
 //
 // The whole step is one parallel region (team.h) through its ~300 phases (a norm, a projection's
 // column blocks, the attention tasks, ...), instead of a region per phase, whose thread wake-ups cost a
@@ -17,12 +17,12 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cmath>
 #include <exception>
 #include <utility>
 #include <vector>
 
 #include "decode_stack.h"
+#include "kv_store.h"
 #include "paged_decode.h"
 #include "row_ops.h"
 #include "team.h"
@@ -30,28 +30,6 @@
 namespace stepahead_cpu {
 
 namespace {
-
-// n values of one token's K or V into the cache at element `at`, converted to the cache's type as
-// torch converts (c10's conversions are torch's). False where a finite value overflowed float16.
-bool store_kv(const float* values, int64_t n, const at::Tensor& cache, int64_t at) {
-  switch (cache.scalar_type()) {
-    case at::kBFloat16:
-      std::copy_n(values, n, cache.data_ptr<c10::BFloat16>() + at);
-      return true;
-    case at::kHalf: {
-      c10::Half* out = cache.data_ptr<c10::Half>() + at;
-      bool fits = true;
-      for (int64_t i = 0; i < n; ++i) {
-        out[i] = values[i];
-        fits &= !(std::isinf(static_cast<float>(out[i])) && std::isfinite(values[i]));
-      }
-      return fits;
-    }
-    default:
-      std::copy_n(values, n, cache.data_ptr<float>() + at);
-      return true;
-  }
-}
 
 // A projection's tiles and bias, from index `first` of a layer's tensors; W [N, K].
 Int4Weight int4_weight(const std::vector<at::Tensor>& t, size_t first, int64_t N, int64_t K) {
@@ -171,8 +149,8 @@ at::Tensor DecodeStack::forward(at::Tensor h_in, const at::Tensor& cos_sin, cons
         float* row = qkvp + r * qkv_dim;
         rope_token(row, heads_ + kv_heads_, hd, csp + r * 2 * hd, hd);
         for (int64_t g = 0; g < kv_heads_; ++g) {
-          const bool fits = store_kv(row + (heads_ + g) * hd, hd, k_caches[i], (g * slots + slot[r]) * hd) &
-                            store_kv(row + (heads_ + kv_heads_ + g) * hd, hd, v_caches[i], (g * slots + slot[r]) * hd);
+          const bool fits = store_rounded(row + (heads_ + g) * hd, hd, k_caches[i], (g * slots + slot[r]) * hd) &
+                            store_rounded(row + (heads_ + kv_heads_ + g) * hd, hd, v_caches[i], (g * slots + slot[r]) * hd);
           if (!fits) overflow.store(true, std::memory_order_relaxed);
         }
       });
@@ -191,7 +169,7 @@ at::Tensor DecodeStack::forward(at::Tensor h_in, const at::Tensor& cos_sin, cons
     }
   });
   if (error) std::rethrow_exception(error);
-  // as the Python path's check (attention/sdpa.py, check_float16_range): loudly, not NaN outputs
+  // as write_kv's check (attention/sdpa.py): loudly, not NaN outputs
   TORCH_CHECK(!overflow.load(), "a key or value is beyond float16's range (65504), which the KV cache holds: "
               "run with --kv-cache-dtype bfloat16 or float32");
   return h;

@@ -30,4 +30,10 @@ at::Tensor silu_mul(const at::Tensor& gate_up);
 void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_table, const at::Tensor& seq_lens, double scale, at::Tensor& out);
 
+// The new tokens' k and v [tokens, kv_heads, head_dim] (float32, unit stride within a head) into the
+// paged caches at slot_mapping [tokens], converted to the caches' type, and k and v rewritten in place
+// with the values the caches now hold (kv_store.cpp). Fails on a value beyond a float16 cache's range.
+void write_kv_rows(at::Tensor& k, at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                   const at::Tensor& slot_mapping);
+
 }  // namespace stepahead_cpu

@@ -135,9 +135,21 @@ def test_the_decode_kernel_over_head_sizes_and_block_sizes(head_dim, block_size,
         torch.testing.assert_close(out[r].double(), (weights @ values).reshape(heads, head_dim), rtol=1e-5, atol=1e-5)
 
 
+# how write_kv stores into a 16-bit cache: stepahead's one-pass kernel, or torch's operators
+WRITERS = [pytest.param(True, id="kernel_write", marks=needs_kernels), pytest.param(False, id="torch_write")]
+
+
+@pytest.fixture
+def kernel_write(request, monkeypatch):
+    if not request.param:
+        monkeypatch.setattr("stepahead.attention.sdpa.cpu_ops.available", lambda: False)
+    return request.param
+
+
+@pytest.mark.parametrize("kernel_write", WRITERS, indirect=True)
 @pytest.mark.parametrize("decode_kernel", PATHS)
 @pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
-def test_a_16_bit_cache_holds_the_rounded_keys_every_row_attends_to(decode_kernel, cache_dtype):
+def test_a_16_bit_cache_holds_the_rounded_keys_every_row_attends_to(decode_kernel, cache_dtype, kernel_write):
     """Under a float32 model, a 16-bit cache stores the new K/V rounded as torch converts them, and a
     prompt attends to those rounded values even where it reads them from the step itself, not the cache:
     a prompt in one step equals the same prompt in two chunks (the second reading the first from the
@@ -149,8 +161,9 @@ def test_a_16_bit_cache_holds_the_rounded_keys_every_row_attends_to(decode_kerne
     rounded = PagedKVCache(1, 8, block, KV_HEADS, HEAD_DIM, torch.float32, "cpu")
     q = torch.randn(20, HEADS, HEAD_DIM)
     k, v = torch.randn(20, KV_HEADS, HEAD_DIM) * 3, torch.randn(20, KV_HEADS, HEAD_DIM) * 3
-    whole = _attend(q, k, v, cache, [BatchRow(0, 20, 0, [1, 2])], decode_kernel, block)
-    assert torch.equal(cache.k[0][:, 1].flatten(1), k[:16].to(cache_dtype).transpose(0, 1).flatten(1))
+    as_torch_rounds = k[:16].to(cache_dtype).transpose(0, 1).flatten(1)
+    whole = _attend(q, k.clone(), v.clone(), cache, [BatchRow(0, 20, 0, [1, 2])], decode_kernel, block)
+    assert torch.equal(cache.k[0][:, 1].flatten(1), as_torch_rounds)
     first = _attend(q[:13], k[:13], v[:13], chunked, [BatchRow(0, 13, 0, [1])], decode_kernel, block)
     second = _attend(q[13:], k[13:], v[13:], chunked, [BatchRow(0, 7, 13, [1, 2])], decode_kernel, block)
     torch.testing.assert_close(torch.cat([first, second]), whole, atol=1e-5, rtol=1e-5)
@@ -164,7 +177,8 @@ def test_a_16_bit_cache_holds_the_rounded_keys_every_row_attends_to(decode_kerne
     assert torch.equal(got, want)
 
 
-def test_a_value_beyond_float16_fails_the_step_loudly():
+@pytest.mark.parametrize("kernel_write", WRITERS, indirect=True)
+def test_a_value_beyond_float16_fails_the_step_loudly(kernel_write):
     cache = PagedKVCache(1, 4, 16, KV_HEADS, HEAD_DIM, torch.float16, "cpu")
     q, k, v = torch.randn(3, HEADS, HEAD_DIM), torch.randn(3, KV_HEADS, HEAD_DIM), torch.randn(3, KV_HEADS, HEAD_DIM)
     k[1, 2, 5] = 70000.0  # float16's largest finite value is 65504
