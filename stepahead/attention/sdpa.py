@@ -170,7 +170,8 @@ def write_kv(kv: LayerKV, k: torch.Tensor, v: torch.Tensor,
     On CPU with stepahead's kernels a 16-bit cache is written in one pass (kernels/kv_store.cpp) that
     rounds k and v in place; torch's operators otherwise."""
     nkv, hd = k.shape[1], k.shape[2]
-    if kv.k_cache.dtype in (torch.float16, torch.bfloat16) and k.dtype == torch.float32 and cpu_ops.available():
+    narrower = kv.k_cache.dtype in (torch.float16, torch.bfloat16) and k.dtype == torch.float32
+    if narrower and k.device.type == "cpu" and cpu_ops.available():
         cpu_ops.write_kv_rows(k, v, kv.k_cache, kv.v_cache, slot_mapping)  # k and v rounded in place
         return k, v
     stored_k, stored_v = k.to(kv.k_cache.dtype), v.to(kv.v_cache.dtype)

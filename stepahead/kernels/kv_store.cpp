@@ -15,6 +15,9 @@ namespace stepahead_cpu {
 
 void write_kv_rows(at::Tensor& k, at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
                    const at::Tensor& slot_mapping) {
+  TORCH_CHECK(k.device().is_cpu() && v.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu() &&
+                  slot_mapping.device().is_cpu(),
+              "write_kv_rows runs on CPU tensors");
   TORCH_CHECK(k.dim() == 3 && k.scalar_type() == at::kFloat && k.stride(2) == 1 && v.sizes() == k.sizes() &&
                   v.scalar_type() == at::kFloat && v.stride(2) == 1,
               "k and v must be float32 [tokens, kv_heads, head_dim] tensors with unit stride in head_dim");
