@@ -81,9 +81,24 @@ def test_same_tokens_in_every_mode(reference, mode):
         assert _token_ids(llm, *_mixed_batch(llm)) == reference[0]
 
 
+# The dense float32 path: on packed weights a preempted request's recomputed tokens attend through
+# SDPA's prefill where they had attended through the decode kernel, and the bf16 rounding of the packed
+# path can turn that last-bit difference into a flipped near tie; how often depends on when the
+# grammars finish compiling, so on the machine's load (2 runs of 4 failed under a busy core, with a
+# float16 or a float32 KV cache alike). float32 keeps the difference in the last bits of a logit.
+DENSE = dict(quantization="none", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def dense_reference():
+    with LLM(max_model_len=128, **DENSE) as llm:
+        return _token_ids(llm, *_mixed_batch(llm))
+
+
 @pytest.mark.parametrize("is_async", [True, False])
-def test_same_tokens_when_preempted(reference, is_async):
+def test_same_tokens_when_preempted(dense_reference, is_async):
     # 9 usable blocks of 16 tokens: one 128-token sequence, far fewer than the batch needs at once.
-    with LLM(max_model_len=128, num_kv_blocks=10, async_scheduling=is_async, debug_invariants=True) as llm:
-        assert _token_ids(llm, *_mixed_batch(llm)) == reference[0]
+    with LLM(max_model_len=128, num_kv_blocks=10, async_scheduling=is_async, debug_invariants=True,
+             **DENSE) as llm:
+        assert _token_ids(llm, *_mixed_batch(llm)) == dense_reference
         assert llm.stats().preemptions > 0
