@@ -170,8 +170,7 @@ at::Tensor DecodeStack::forward(at::Tensor h_in, const at::Tensor& cos_sin, cons
   });
   if (error) std::rethrow_exception(error);
   // as write_kv's check (attention/sdpa.py): loudly, not NaN outputs
-  TORCH_CHECK(!overflow.load(), "a key or value is beyond float16's range (65504), which the KV cache holds: "
-              "run with --kv-cache-dtype bfloat16 or float32");
+  TORCH_CHECK(!overflow.load(), kFloat16RangeError);
   return h;
 }
 

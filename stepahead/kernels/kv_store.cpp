@@ -44,8 +44,7 @@ void write_kv_rows(at::Tensor& k, at::Tensor& v, const at::Tensor& k_cache, cons
       }
     if (!fits) overflow.store(true, std::memory_order_relaxed);
   });
-  TORCH_CHECK(!overflow.load(), "a key or value is beyond float16's range (65504), which the KV cache holds: "
-              "run with --kv-cache-dtype bfloat16 or float32");
+  TORCH_CHECK(!overflow.load(), kFloat16RangeError);
 }
 
 }  // namespace stepahead_cpu

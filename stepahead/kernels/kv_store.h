@@ -1,6 +1,7 @@
 // Writing one token's K or V into the paged cache (DecodeStack and write_kv_rows).
 #pragma once
 
+#include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <immintrin.h>
@@ -10,6 +11,11 @@
 #include <cstdint>
 
 namespace stepahead_cpu {
+
+// What a step that overflowed a float16 cache fails with (DecodeStack and write_kv_rows alike).
+constexpr const char* kFloat16RangeError =
+    "a key or value is beyond float16's range (65504), which the KV cache holds: run with --kv-cache-dtype "
+    "bfloat16 or float32";
 
 // n values into a cache of type T, converted as torch converts (round to nearest even), and `values`
 // rewritten with what the cache now holds, so that the step attends to exactly the cache's values.
@@ -55,12 +61,11 @@ inline bool store_rounded(float* values, int64_t n, c10::Half* out) {
 }
 
 // The same, for a cache tensor's element `at` of whichever of the three types it holds.
-template <typename Tensor>
-inline bool store_rounded(float* values, int64_t n, const Tensor& cache, int64_t at) {
+inline bool store_rounded(float* values, int64_t n, const at::Tensor& cache, int64_t at) {
   switch (cache.scalar_type()) {
-    case c10::ScalarType::BFloat16: return store_rounded(values, n, cache.template data_ptr<c10::BFloat16>() + at);
-    case c10::ScalarType::Half: return store_rounded(values, n, cache.template data_ptr<c10::Half>() + at);
-    default: return store_rounded(values, n, cache.template data_ptr<float>() + at);
+    case at::kBFloat16: return store_rounded(values, n, cache.data_ptr<c10::BFloat16>() + at);
+    case at::kHalf: return store_rounded(values, n, cache.data_ptr<c10::Half>() + at);
+    default: return store_rounded(values, n, cache.data_ptr<float>() + at);
   }
 }
 
