@@ -25,7 +25,8 @@
 // time by two tiles, so the unpacked codes of a pair are reused from registers by four rows and each
 // broadcast activation pair by sixteen columns (the last one to three rows two tiles at a time too,
 // so a one-row call keeps enough loads in flight), and a work item is a block of columns whose codes
-// and four rows of activations stay in L1.
+// and four rows of activations stay in L1, over a panel of rows whose codes stay in L2 (a 2,048-token
+// prefill read every row's codes from L3 once per 16 columns without panels: 1.14x slower).
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -52,6 +53,9 @@ constexpr float kCodeMax = 32767.f;
 // How many groups ahead of its reads a one-row call asks for weight records (tile): ~8 KB of 4-bit
 // records.
 constexpr int64_t kPrefetchGroups = 48;
+
+// Bytes of activation codes per panel of rows (multiply): half of the build machine's L2 per core.
+constexpr int64_t kPanelBytes = 256 * 1024;
 
 // The weight formats. A record's codes are chunks of 32 bytes, each read as 16 int16 lanes: lane
 // 2c + e of chunk j holds, in its slot s (kSlots per lane), the code of the tile's column c at input
@@ -258,12 +262,20 @@ void quantize_row(const float* x, int64_t K, const QuantizedRows& q, int64_t row
 void multiply(Team::Member& me, const PackedWeight& w, const QuantizedRows& x, int64_t M, const Output& out) {
   constexpr int64_t kTilesPerBlock = kColumnBlock / kTileColumns;
   const int64_t tiles = (w.N + kTileColumns - 1) / kTileColumns, blocks = (tiles + kTilesPerBlock - 1) / kTilesPerBlock;
-  me.share(blocks, claim_size(blocks, me.members()), [&](int64_t block) {
+  // Rows in panels whose activation codes stay in L2 while every column block passes over them (one
+  // panel for a decode step's few rows).
+  const int64_t panel = std::max<int64_t>(4, kPanelBytes / (2 * w.K) / 4 * 4);
+  const int64_t panels = (M + panel - 1) / panel, items = panels * blocks;
+  me.share(items, claim_size(items, me.members()), [&](int64_t item) {
+    const int64_t first = item / blocks * panel, block = item % blocks;
     const int64_t t = block * kTilesPerBlock, count = std::min(kTilesPerBlock, tiles - t);
+    const QuantizedRows rows{x.codes + first * x.row_stride, x.scales + first * (x.row_stride / kGroup),
+                             x.sums + first * (x.row_stride / kGroup), x.row_stride};
+    const Output panel_out{out.y + first * w.N, out.accumulate};
     if (w.format == PackedWeight::Format::kQ4) {
-      block_of<Q4>(w, x, M, t, count, out);
+      block_of<Q4>(w, rows, std::min(panel, M - first), t, count, panel_out);
     } else {
-      block_of<Q8>(w, x, M, t, count, out);
+      block_of<Q8>(w, rows, std::min(panel, M - first), t, count, panel_out);
     }
   });
 }

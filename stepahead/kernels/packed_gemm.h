@@ -62,7 +62,7 @@ struct Output {
 };
 
 // M quantized rows times W^T, rounded to bfloat16 values, plus the bias: one phase of the team, its
-// items blocks of 16 columns (two tiles).
+// items blocks of 16 columns (two tiles) over a panel of rows (all of a decode step's).
 void multiply(Team::Member& me, const PackedWeight& w, const QuantizedRows& x, int64_t M, const Output& out);
 
 }  // namespace stepahead_cpu

@@ -108,6 +108,17 @@ def test_a_row_is_computed_the_same_at_any_position_in_any_batch():
         assert all(torch.equal(batch[i], alone[i][0]) for i in range(rows)), rows
 
 
+def test_rows_in_later_panels_are_computed_as_alone():
+    """A long call goes in panels of rows (256 KB of 16-bit codes: 84 rows of 1,536 inputs), the last
+    one partial: every row's result is still its result alone."""
+    weight = _weight(24, 1536)
+    args = _args(weight)
+    x = torch.randn(175, 1536)
+    batch = cpu_packed.int4_gemm(x, *args)
+    for i in (0, 83, 84, 85, 167, 168, 174):
+        assert torch.equal(batch[i], cpu_packed.int4_gemm(x[i:i + 1], *args)[0]), i
+
+
 @pytest.mark.parametrize("threads", [1, 3])  # 3 on this 2-core machine: more threads than cores
 def test_the_result_does_not_depend_on_the_number_of_threads(threads):
     """The column blocks go to whichever thread asks first (kernels/team.h): the same bits on any team."""
