@@ -34,9 +34,9 @@ def _step(model, cache: PagedKVCache, rows: list[BatchRow], ids: torch.Tensor) -
     return model(ids, torch.tensor(positions), cache, meta)
 
 
-def _random_cache(model, seed: int, dtype: torch.dtype = torch.float32) -> PagedKVCache:
+def _random_cache(model, seed: int, dtype: torch.dtype = torch.float32, blocks: int = 40) -> PagedKVCache:
     a = model.args
-    cache = PagedKVCache(a.num_layers, 40, BLOCK, a.num_kv_heads, a.head_dim, dtype, "cpu")
+    cache = PagedKVCache(a.num_layers, blocks, BLOCK, a.num_kv_heads, a.head_dim, dtype, "cpu")
     gen = torch.Generator().manual_seed(seed)
     for t in cache.k + cache.v:
         t.copy_(torch.randn(t.shape, generator=gen))
@@ -86,6 +86,27 @@ def test_a_decode_step_in_one_call_is_the_layers_step_bitwise(tiny_model_factory
     # A row's result does not depend on the batch: row 1 alone is row 1 of the batch.
     alone = _step(model, _clone(cache), [BatchRow(0, 1, 17, [3, 12])], ids[1:2])
     assert torch.equal(alone[0], fast[1])
+
+
+def test_a_step_of_more_rows_than_a_gemm_panel_is_the_layers_step_bitwise(tiny_model_factory):
+    """The packed GEMM takes 84 rows of 1,536 inputs per panel (kernels/packed_gemm.cpp): 90 decode rows
+    put the down projection's last rows in a second panel, which DecodeStack adds to the residual stream
+    in place and the layers add after the call."""
+    model = load_model(load_model_config(str(tiny_model_factory("llama", intermediate_size=1536)), "cpu",
+                                         quantization="int4"), "cpu")
+    assert model.decode_stack is not None
+    rows = [BatchRow(i, 1, 3 + i % 5, [i + 1]) for i in range(90)]
+    ids = torch.arange(90) % 50 + 1
+    cache = _random_cache(model, 3, blocks=100)
+    fast = _step(model, _clone(cache), rows, ids)
+    stack, model.decode_stack = model.decode_stack, None
+    try:
+        slow = _step(model, _clone(cache), rows, ids)
+    finally:
+        model.decode_stack = stack
+    assert torch.equal(fast, slow)
+    alone = _step(model, _clone(cache), [BatchRow(0, 1, 3 + 89 % 5, [90])], ids[89:])  # the last row alone
+    assert torch.equal(alone[0], fast[89])
 
 
 def test_steps_with_a_prefill_and_unsupported_models_keep_the_layers(tiny_model_factory):
