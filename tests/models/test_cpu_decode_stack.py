@@ -34,6 +34,15 @@ def _step(model, cache: PagedKVCache, rows: list[BatchRow], ids: torch.Tensor) -
     return model(ids, torch.tensor(positions), cache, meta)
 
 
+def _layers_step(model, cache: PagedKVCache, rows: list[BatchRow], ids: torch.Tensor) -> torch.Tensor:
+    """_step through the model's Python layers, DecodeStack off."""
+    stack, model.decode_stack = model.decode_stack, None
+    try:
+        return _step(model, cache, rows, ids)
+    finally:
+        model.decode_stack = stack
+
+
 def _random_cache(model, seed: int, dtype: torch.dtype = torch.float32, blocks: int = 40) -> PagedKVCache:
     a = model.args
     cache = PagedKVCache(a.num_layers, blocks, BLOCK, a.num_kv_heads, a.head_dim, dtype, "cpu")
@@ -75,11 +84,7 @@ def test_a_decode_step_in_one_call_is_the_layers_step_bitwise(tiny_model_factory
     cache = _random_cache(model, 0, cache_dtype)
     in_one_call, by_layers = _clone(cache), _clone(cache)
     fast = _step(model, in_one_call, rows, ids)
-    stack, model.decode_stack = model.decode_stack, None
-    try:
-        slow = _step(model, by_layers, rows, ids)
-    finally:
-        model.decode_stack = stack
+    slow = _layers_step(model, by_layers, rows, ids)
     assert torch.equal(fast, slow)
     for a, b in zip(in_one_call.k + in_one_call.v, by_layers.k + by_layers.v, strict=True):
         assert torch.equal(a, b)  # the new tokens' K/V written at the same slots, the same values
@@ -99,11 +104,7 @@ def test_a_step_of_more_rows_than_a_gemm_panel_is_the_layers_step_bitwise(tiny_m
     ids = torch.arange(90) % 50 + 1
     cache = _random_cache(model, 3, blocks=100)
     fast = _step(model, _clone(cache), rows, ids)
-    stack, model.decode_stack = model.decode_stack, None
-    try:
-        slow = _step(model, _clone(cache), rows, ids)
-    finally:
-        model.decode_stack = stack
+    slow = _layers_step(model, _clone(cache), rows, ids)
     assert torch.equal(fast, slow)
     alone = _step(model, _clone(cache), [BatchRow(0, 1, 3 + 89 % 5, [90])], ids[89:])  # the last row alone
     assert torch.equal(alone[0], fast[89])
@@ -119,11 +120,7 @@ def test_steps_with_a_prefill_and_unsupported_models_keep_the_layers(tiny_model_
     ids = torch.tensor([11, 1, 2, 3, 4])
     cache = _random_cache(model, 1)
     mixed = _step(model, _clone(cache), rows, ids)
-    stack, model.decode_stack = model.decode_stack, None
-    try:
-        by_layers = _step(model, _clone(cache), rows, ids)
-    finally:
-        model.decode_stack = stack
+    by_layers = _layers_step(model, _clone(cache), rows, ids)
     assert torch.equal(mixed, by_layers)
     # and the decode row's result equals its decode-only step's, which runs in one call
     assert torch.equal(_step(model, _clone(cache), rows[:1], ids[:1])[0], mixed[0])
