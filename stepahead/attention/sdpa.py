@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from stepahead.attention.paged_cache import LayerKV
 from stepahead.attention.rows import BatchRow, stage_block_table
-from stepahead.kernels import cpu_ops
+from stepahead.kernels import cpu_build, cpu_ops
 
 
 @dataclass
@@ -171,7 +171,7 @@ def write_kv(kv: LayerKV, k: torch.Tensor, v: torch.Tensor,
     rounds k and v in place; torch's operators otherwise."""
     nkv, hd = k.shape[1], k.shape[2]
     narrower = kv.k_cache.dtype in (torch.float16, torch.bfloat16) and k.dtype == torch.float32
-    if narrower and k.device.type == "cpu" and cpu_ops.available():
+    if narrower and k.device.type == "cpu" and cpu_build.available():
         cpu_ops.write_kv_rows(k, v, kv.k_cache, kv.v_cache, slot_mapping)  # k and v rounded in place
         return k, v
     stored_k, stored_v = k.to(kv.k_cache.dtype), v.to(kv.v_cache.dtype)

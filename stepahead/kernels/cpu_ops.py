@@ -56,11 +56,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _op("paged_decode_attention")(q, k_cache, v_cache, block_table, seq_lens, scale, out)
 
 
-def available() -> bool:
-    """Whether the kernels are built and loaded in this process (kernels/cpu_build.py)."""
-    return cpu_build.available()
-
-
 def write_kv_rows(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slot_mapping: torch.Tensor) -> None:
     """The new tokens' k and v [tokens, kv_heads, head_dim] (float32, unit stride within a head) into

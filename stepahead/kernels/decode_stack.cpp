@@ -66,17 +66,12 @@ void DecodeStack::check(const at::Tensor& h, const at::Tensor& cos_sin, const st
               "cos_sin must be a contiguous float32 [rows, 2, head_dim] tensor");
   TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(),
               "one K and one V cache per layer");
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
-                  slot_mapping.numel() == rows,
-              "slot_mapping must be a contiguous int64 [rows] tensor");
   const int64_t slots = k_caches.empty() ? 0 : k_caches[0].size(1) * k_caches[0].size(2);
   for (const auto* caches : {&k_caches, &v_caches})
     for (const at::Tensor& c : *caches)
       TORCH_CHECK(c.sizes() == k_caches[0].sizes() && c.size(0) == kv_heads_ && c.size(3) == head_dim_,
                   "every cache must be [kv_heads, blocks, block_size, head_dim] like the first");
-  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
-  for (int64_t r = 0; r < rows; ++r)
-    TORCH_CHECK(slot[r] >= 0 && slot[r] < slots, "slot ", slot[r], " of row ", r, " is outside the cache");
+  check_slots(slot_mapping, rows, slots);
 }
 
 at::Tensor DecodeStack::forward(at::Tensor h_in, const at::Tensor& cos_sin, const std::vector<at::Tensor>& k_caches,

@@ -26,12 +26,9 @@ void write_kv_rows(at::Tensor& k, at::Tensor& v, const at::Tensor& k_cache, cons
                   v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type() &&
                   k_cache.size(0) == kv_heads && k_cache.size(3) == hd,
               "k_cache and v_cache must be contiguous [kv_heads, blocks, block_size, head_dim] tensors of one type");
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == tokens,
-              "slot_mapping must be a contiguous int64 [tokens] tensor");
   const int64_t slots = k_cache.size(1) * k_cache.size(2);
+  check_slots(slot_mapping, tokens, slots);
   const int64_t* slot = slot_mapping.data_ptr<int64_t>();
-  for (int64_t t = 0; t < tokens; ++t)
-    TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "slot ", slot[t], " of token ", t, " is outside the cache");
   float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   std::atomic<bool> overflow{false};
   at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {

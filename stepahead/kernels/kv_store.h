@@ -17,6 +17,16 @@ constexpr const char* kFloat16RangeError =
     "a key or value is beyond float16's range (65504), which the KV cache holds: run with --kv-cache-dtype "
     "bfloat16 or float32";
 
+// slot_mapping must be a contiguous int64 [tokens] tensor of slots in [0, slots): where each new
+// token's K and V go in a cache of `slots` slots (DecodeStack and write_kv_rows alike).
+inline void check_slots(const at::Tensor& slot_mapping, int64_t tokens, int64_t slots) {
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == tokens,
+              "slot_mapping must be a contiguous int64 [tokens] tensor");
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "slot ", slot[t], " of token ", t, " is outside the cache");
+}
+
 // n values into a cache of type T, converted as torch converts (round to nearest even), and `values`
 // rewritten with what the cache now holds, so that the step attends to exactly the cache's values.
 // False where a finite value overflowed float16's range.

@@ -142,7 +142,7 @@ WRITERS = [pytest.param(True, id="kernel_write", marks=needs_kernels), pytest.pa
 @pytest.fixture
 def kernel_write(request, monkeypatch):
     if not request.param:
-        monkeypatch.setattr("stepahead.attention.sdpa.cpu_ops.available", lambda: False)
+        monkeypatch.setattr("stepahead.attention.sdpa.cpu_build.available", lambda: False)
     return request.param
 
 
