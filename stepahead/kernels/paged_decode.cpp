@@ -61,6 +61,59 @@ inline const float* as_floats(const T* p, int64_t n, float* buffer) {
   return buffer;
 }
 
+// The scores of query heads g0 .. g0 + G - 1 (q: head g0's vector, heads q_stride apart) against
+// eight keys, scaled, into probs (head g0's row; heads padded apart) at t0. Each key vector is widened
+// once for the G heads (16-bit widening costs more than the multiply-adds it feeds), four keys at a
+// time, so 4 G sums fit in registers. Per score the sum is the same as one head and key at a time:
+// head_dim / 8 multiply-adds in order, then sum_lanes8 over the eight keys.
+template <int G, typename T>
+inline void score_eight(const float* q, int64_t q_stride, const T* const keys[8], int64_t hd, float scale,
+                        float* probs, int64_t padded, int64_t t0) {
+  __m256 sums[G][8];
+  for (int half = 0; half < 8; half += 4) {
+    __m256 acc[G][4];
+    for (int g = 0; g < G; ++g)
+      for (int i = 0; i < 4; ++i) acc[g][i] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < hd; d += 8) {
+      for (int i = 0; i < 4; ++i) {
+        const __m256 key = load8(keys[half + i] + d);
+        for (int g = 0; g < G; ++g) acc[g][i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * q_stride + d), key, acc[g][i]);
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int i = 0; i < 4; ++i) sums[g][half + i] = acc[g][i];
+  }
+  for (int g = 0; g < G; ++g)
+    _mm256_storeu_ps(probs + g * padded + t0, _mm256_mul_ps(sum_lanes8(sums[g]), _mm256_set1_ps(scale)));
+}
+
+// acc[g][d0 .. d0 + 31] = sum over tokens of probs[g][t] * value[t][d0 ..] for heads g0 .. g0 + G - 1
+// (probs: head g0's row, heads padded apart; acc: head g0's outputs, heads hd apart). value(t): token
+// b's first value vector. Each value vector is widened once for the G heads; the sums run in token order,
+// as one head at a time would.
+template <int G, typename T, typename ValueAt>
+inline void weigh_values(const float* probs, int64_t padded, int64_t len, int64_t block_size, int64_t d0,
+                         const ValueAt& value_at, bool ask_ahead, float* acc, int64_t hd) {
+  __m256 sums[G][4];
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < 4; ++i) sums[g][i] = _mm256_setzero_ps();
+  for (int64_t b = 0, t0 = 0; t0 < len; ++b, t0 += block_size) {
+    const T* values = value_at(b) + d0;
+    if (ask_ahead && t0 + block_size < len) prefetch(value_at(b + 1), block_size * hd);
+    const int64_t end = std::min(len, t0 + block_size);
+    for (int64_t t = t0; t < end; ++t, values += hd) {
+      __m256 p[G];
+      for (int g = 0; g < G; ++g) p[g] = _mm256_set1_ps(probs[g * padded + t]);
+      for (int i = 0; i < 4; ++i) {
+        const __m256 v = load8(values + 8 * i);
+        for (int g = 0; g < G; ++g) sums[g][i] = _mm256_fmadd_ps(p[g], v, sums[g][i]);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < 4; ++i) _mm256_storeu_ps(acc + g * hd + d0 + 8 * i, sums[g][i]);
+}
+
 }  // namespace
 
 // q [rows, heads, head_dim] (any row and head strides, unit stride within a head), block_table
@@ -108,14 +161,18 @@ PagedDecode::PagedDecode(const at::Tensor& q, const at::Tensor& k_cache, const a
 // task, so each key and value comes from memory once (and from L1 for the group's other heads).
 //
 // Where blocks hold a multiple of eight tokens (the usual 16) and heads a multiple of eight floats,
-// scores come eight tokens at a time: eight independent multiply-add chains, then one transposing
-// sum (sum_lanes8), where a score at a time waited on its own chain and its own horizontal sum (the
-// step's attention took a tenth of a 32-row decode step). The weighted sums keep up to 64 of a head's
-// outputs in registers across the tokens. A row's blocks lie scattered and each is a page of its own,
-// where the hardware prefetchers stop, so the keys two blocks ahead and the next block's values are
-// asked for. 32 rows of the built-in model's shapes, 30 layers' caches (cold, as in a step), 2
-// threads: 531-642 against 407-446 us per layer. Either way a row's arithmetic is fixed by the row
-// alone.
+// scores come eight tokens at a time: independent multiply-add chains, then one transposing sum
+// (sum_lanes8), where a score at a time waited on its own chain and its own horizontal sum (the step's
+// attention took a tenth of a 32-row decode step). Up to three heads of the group go together, so a
+// 16-bit key or value is widened once for them (vcvtph2ps costs more than the multiply-adds it feeds,
+// and widening once per head made a 16-bit cache no faster to read than a float32 one), and the
+// weighted sums hold 32 outputs of each in registers across the tokens. The loops go block by block
+// (a token's block and place by division cost as much as its scores). A row's blocks lie scattered
+// and each is a page of its own, where the hardware prefetchers stop, so the keys two blocks ahead
+// and the next block's values are asked for. 32 rows of the built-in model's shapes, float16 cache,
+// 2 threads: 330 -> 290 us per layer with 30 layers' caches (cold, as in a step), 205 -> 145 us with
+// one layer's (warm). Each output's sums run in the same order as one head and key at a time, and a
+// row's arithmetic is fixed by the row alone.
 void PagedDecode::run(int64_t task, std::vector<float>& scratch) const {
   switch (cache_type_) {
     case at::kBFloat16: return run_as<c10::BFloat16>(task, scratch);
@@ -135,6 +192,8 @@ void PagedDecode::run_as(int64_t task, std::vector<float>& scratch) const {
   const auto offset = [&](int64_t t) {
     return ((kv_head * blocks_ + table[t / block_size_]) * block_size_ + t % block_size_) * hd;
   };
+  // where block b of the row (its tokens b * block_size_ ..) starts, for this KV head
+  const auto block_at = [&](int64_t b) { return (kv_head * blocks_ + table[b]) * block_size_ * hd; };
   scratch.resize(group * (padded + hd + 1) + hd);
   float* probs = scratch.data();         // [group, padded]: past len -inf, whose e^x is 0
   float* acc = probs + group * padded;   // [group, hd]
@@ -143,21 +202,25 @@ void PagedDecode::run_as(int64_t task, std::vector<float>& scratch) const {
   const float* q = q_ + row * q_row_stride_ + kv_head * group * q_head_stride_;
   const bool vectors = hd % 8 == 0 && block_size_ % 8 == 0;
   if (vectors) {
-    for (int64_t t0 = 0; t0 < len; t0 += 8) {
-      // eight tokens of one block; past len the last key again, its score overwritten below
-      const T* first = k_cache + offset(t0);
-      if (t0 + 32 < len) prefetch(k_cache + offset(t0 + 32), 8 * hd);  // blocks are scattered: ask ahead
-      const T* keys[8];
-      for (int64_t i = 0; i < 8; ++i) keys[i] = first + std::min(i, len - 1 - t0) * hd;
-      for (int64_t g = 0; g < group; ++g) {
-        const float* qg = q + g * q_head_stride_;
-        __m256 sums[8];
-        for (int i = 0; i < 8; ++i) sums[i] = _mm256_setzero_ps();
-        for (int64_t d = 0; d < hd; d += 8) {
-          const __m256 qv = _mm256_loadu_ps(qg + d);
-          for (int i = 0; i < 8; ++i) sums[i] = _mm256_fmadd_ps(qv, load8(keys[i] + d), sums[i]);
+    for (int64_t b = 0, start = 0; start < len; ++b, start += block_size_) {
+      const T* block = k_cache + block_at(b);
+      // the block two ahead, whose keys are asked for eight at a time (blocks are scattered)
+      const bool ask = start + 2 * block_size_ < len;
+      const T* ahead = ask ? k_cache + block_at(b + 2) : nullptr;
+      for (int64_t t0 = start; t0 < std::min(len, start + block_size_); t0 += 8) {
+        if (ask && t0 + 2 * block_size_ < len) prefetch(ahead + (t0 - start) * hd, 8 * hd);
+        // eight tokens of the block; past len the last key again, its score overwritten below
+        const T* keys[8];
+        for (int64_t i = 0; i < 8; ++i) keys[i] = block + (std::min(t0 + i, len - 1) - start) * hd;
+        for (int64_t g = 0; g < group; g += 3) {
+          const float* qg = q + g * q_head_stride_;
+          float* pg = probs + g * padded;
+          switch (std::min<int64_t>(3, group - g)) {
+            case 3: score_eight<3>(qg, q_head_stride_, keys, hd, scale_, pg, padded, t0); break;
+            case 2: score_eight<2>(qg, q_head_stride_, keys, hd, scale_, pg, padded, t0); break;
+            default: score_eight<1>(qg, q_head_stride_, keys, hd, scale_, pg, padded, t0);
+          }
         }
-        _mm256_storeu_ps(probs + g * padded + t0, _mm256_mul_ps(sum_lanes8(sums), _mm256_set1_ps(scale_)));
       }
     }
   } else {
@@ -169,7 +232,9 @@ void PagedDecode::run_as(int64_t task, std::vector<float>& scratch) const {
   for (int64_t g = 0; g < group; ++g) {
     float* p = probs + g * padded;
     std::fill(p + len, p + padded, -INFINITY);
-    const __m256 top = _mm256_set1_ps(*std::max_element(p, p + len));
+    __m256 highest = _mm256_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < padded; t += 8) highest = _mm256_max_ps(highest, _mm256_loadu_ps(p + t));
+    const __m256 top = _mm256_set1_ps(max_lanes(highest));
     __m256 sum = _mm256_setzero_ps();
     for (int64_t t = 0; t < padded; t += 8) {
       const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + t), top));
@@ -179,21 +244,16 @@ void PagedDecode::run_as(int64_t task, std::vector<float>& scratch) const {
     totals[g] = sum_lanes(sum);
   }
   std::fill_n(acc, group * hd, 0.f);
-  const int64_t held = vectors ? hd / 64 * 64 : 0;  // outputs summed in registers, 64 at a time
-  for (int64_t g = 0; g < group; ++g) {
-    const float* p = probs + g * padded;
-    for (int64_t d0 = 0; d0 < held; d0 += 64) {
-      __m256 sums[8];
-      for (int i = 0; i < 8; ++i) sums[i] = _mm256_setzero_ps();
-      for (int64_t t0 = 0; t0 < len; t0 += block_size_) {
-        const T* values = v_cache + offset(t0) + d0;
-        if (g == 0 && d0 == 0 && t0 + block_size_ < len) prefetch(v_cache + offset(t0 + block_size_), block_size_ * hd);
-        for (int64_t t = t0; t < std::min(len, t0 + block_size_); ++t, values += hd) {
-          const __m256 pt = _mm256_set1_ps(p[t]);
-          for (int i = 0; i < 8; ++i) sums[i] = _mm256_fmadd_ps(pt, load8(values + 8 * i), sums[i]);
-        }
+  const int64_t held = vectors ? hd / 32 * 32 : 0;  // outputs summed in registers, 32 at a time
+  const auto value_at = [&](int64_t b) { return v_cache + block_at(b); };
+  for (int64_t g = 0; g < group; g += 3) {
+    const float* pg = probs + g * padded;
+    for (int64_t d0 = 0; d0 < held; d0 += 32) {
+      switch (std::min<int64_t>(3, group - g)) {
+        case 3: weigh_values<3, T>(pg, padded, len, block_size_, d0, value_at, g == 0 && d0 == 0, acc + g * hd, hd); break;
+        case 2: weigh_values<2, T>(pg, padded, len, block_size_, d0, value_at, g == 0 && d0 == 0, acc + g * hd, hd); break;
+        default: weigh_values<1, T>(pg, padded, len, block_size_, d0, value_at, g == 0 && d0 == 0, acc + g * hd, hd);
       }
-      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(acc + g * hd + d0 + 8 * i, sums[i]);
     }
   }
   if (held < hd) {

@@ -40,6 +40,13 @@ inline float sum_lanes(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// The largest of v's eight lanes (a NaN lane may or may not win, as std::max_element's order decides).
+inline float max_lanes(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
 // Lane i of the result: v[i]'s eight lanes added (pairs, then pairs of pairs, then the two halves),
 // for eight vectors at once.
 inline __m256 sum_lanes8(const __m256 v[8]) {

@@ -109,17 +109,14 @@ def test_the_decode_kernel_agrees_with_sdpa_in_a_mixed_batch(block_size, kv_head
 
 
 @needs_kernels
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("head_dim,block_size", [(16, 16), (80, 16), (128, 32), (64, 5), (12, 8)])
-def test_the_decode_kernel_over_head_sizes_and_block_sizes(head_dim, block_size, cache_dtype):
-    """Eight-token scores and 64 outputs held in registers (head sizes a multiple of 8, blocks of a
-    multiple of 8 tokens), the rest of a head past its multiple of 64, and the one-key-at-a-time path
-    (blocks of 5 tokens, heads of 12), against softmax(q k^T) v in float64 over the cache's values
-    (16-bit ones widen exactly, so only the float32 arithmetic differs)."""
+def _check_kernel_against_float64(heads: int, kv_heads: int, head_dim: int, block_size: int,
+                                  cache_dtype: torch.dtype) -> None:
+    """The kernel over rows of 1 to 77 keys in scattered blocks, against softmax(q k^T) v in float64
+    over the cache's values (16-bit ones widen exactly, so only the float32 arithmetic differs)."""
     from stepahead.kernels import cpu_ops
 
-    torch.manual_seed(head_dim + block_size)
-    heads, kv_heads, lens = 6, 2, [1, 7, 8, 9, 40, 77]
+    torch.manual_seed(head_dim + block_size + heads)
+    lens = [1, 7, 8, 9, 40, 77]
     width = max(-(-n // block_size) for n in lens)
     k_cache, v_cache = torch.randn(2, kv_heads, len(lens) * width + 1, block_size, head_dim).to(cache_dtype).unbind(0)
     table = (torch.randperm(len(lens) * width) + 1).view(len(lens), width)
@@ -133,6 +130,24 @@ def test_the_decode_kernel_over_head_sizes_and_block_sizes(head_dim, block_size,
         qr = q[r].double().view(kv_heads, heads // kv_heads, head_dim)
         weights = torch.softmax(qr @ keys.transpose(1, 2) * head_dim ** -0.5, dim=-1)
         torch.testing.assert_close(out[r].double(), (weights @ values).reshape(heads, head_dim), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,block_size", [(16, 16), (80, 16), (128, 32), (64, 5), (12, 8)])
+def test_the_decode_kernel_over_head_sizes_and_block_sizes(head_dim, block_size, cache_dtype):
+    """Eight-token scores and 32 outputs at a time held in registers (head sizes a multiple of 8,
+    blocks of a multiple of 8 tokens), the rest of a head past its multiple of 32, and the
+    one-key-at-a-time path (blocks of 5 tokens, heads of 12)."""
+    _check_kernel_against_float64(6, 2, head_dim, block_size, cache_dtype)
+
+
+@needs_kernels
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (8, 2), (10, 2), (16, 2)])
+def test_the_decode_kernel_over_query_heads_per_kv_head(heads, kv_heads):
+    """Query heads that share a KV head are computed three at a time (each key and value widened once
+    for them): groups of 1, 2, 4 (3 + 1), 5 (3 + 2) and 8 heads."""
+    _check_kernel_against_float64(heads, kv_heads, 64, 16, torch.float16)
 
 
 # how write_kv stores into a 16-bit cache: stepahead's one-pass kernel, or torch's operators
