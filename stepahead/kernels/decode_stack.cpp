@@ -107,6 +107,7 @@ at::Tensor DecodeStack::forward(at::Tensor h_in, const at::Tensor& cos_sin, cons
 
   run_in_team(at::get_num_threads(), [&](Team::Member& me) {
     std::vector<float> scratch;  // this thread's attention buffers
+    Warmer warmer;               // this thread's share of the next attention's keys and values
     const auto leader_runs = [&](auto&& torch_ops) {
       me.leader_runs([&] {
         if (error) return;
@@ -133,7 +134,7 @@ at::Tensor DecodeStack::forward(at::Tensor h_in, const at::Tensor& cos_sin, cons
       });
     };
     const auto project = [&](const PackedWeight& w, float* y, bool accumulate) {
-      multiply(me, w, xq, rows, Output{y, accumulate});
+      multiply(me, w, xq, rows, Output{y, accumulate}, &warmer);
     };
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
@@ -151,6 +152,10 @@ at::Tensor DecodeStack::forward(at::Tensor h_in, const at::Tensor& cos_sin, cons
       });
       const PagedDecode& attend = attention[i];
       me.share(attend.tasks(), 1, [&](int64_t task) { attend.run(task, scratch); });
+      // while the projections up to the next layer's attention run, its keys and values are asked for
+      warmer.clear();
+      if (i + 1 < layers_.size())
+        for (int64_t task = me.index(); task < attend.tasks(); task += me.members()) attention[i + 1].warm(task, warmer);
       quantize(ap, q_dim);
       project(layer.o.view, hp, true);
       // MLP: norm, fused gate/up projection, silu(gate) * up, down projection

@@ -54,6 +54,10 @@ constexpr float kCodeMax = 32767.f;
 // records.
 constexpr int64_t kPrefetchGroups = 48;
 
+// Cache lines a warmer (warmer.h) asks for before each tile: a 32-row step's next attention (3-5 MB)
+// is asked for within the next layer's projections, and 32 or 64 lines slowed them more.
+constexpr int kWarmLinesPerTile = 16;
+
 // Bytes of activation codes per panel of rows (multiply): half of the build machine's L2 per core.
 constexpr int64_t kPanelBytes = 256 * 1024;
 
@@ -169,19 +173,22 @@ using TileFn = void (*)(const QuantizedRows&, int64_t, const PackedWeight&, cons
 // (more loads in flight for a one-row step).
 template <typename F>
 void block_of(const PackedWeight& w, const QuantizedRows& xq, int64_t M, int64_t t, int64_t count,
-              const Output& out) {
+              const Output& out, Warmer* warmer) {
+  const auto warm = [&] {
+    if (warmer != nullptr) warmer->step(kWarmLinesPerTile);
+  };
   constexpr TileFn two_tiles[4] = {nullptr, tile<F, 1, 2>, tile<F, 2, 2>, tile<F, 3, 2>};
   constexpr TileFn one_tile[4] = {nullptr, tile<F, 1, 1>, tile<F, 2, 1>, tile<F, 3, 1>};
   int64_t row = 0;
   for (; row + 4 <= M; row += 4) {
     int64_t i = 0;
-    for (; i + 2 <= count; i += 2) tile<F, 4, 2>(xq, row, w, out, t + i);
-    if (i < count) tile<F, 4, 1>(xq, row, w, out, t + i);
+    for (; i + 2 <= count; i += 2) warm(), tile<F, 4, 2>(xq, row, w, out, t + i);
+    if (i < count) warm(), tile<F, 4, 1>(xq, row, w, out, t + i);
   }
   if (row == M) return;
   int64_t i = 0;
-  for (; i + 2 <= count; i += 2) two_tiles[M - row](xq, row, w, out, t + i);
-  if (i < count) one_tile[M - row](xq, row, w, out, t + i);
+  for (; i + 2 <= count; i += 2) warm(), two_tiles[M - row](xq, row, w, out, t + i);
+  if (i < count) warm(), one_tile[M - row](xq, row, w, out, t + i);
 }
 
 // y = x W^T: the rows quantized, then the column blocks, shared by the threads of one region.
@@ -259,7 +266,8 @@ void quantize_row(const float* x, int64_t K, const QuantizedRows& q, int64_t row
   }
 }
 
-void multiply(Team::Member& me, const PackedWeight& w, const QuantizedRows& x, int64_t M, const Output& out) {
+void multiply(Team::Member& me, const PackedWeight& w, const QuantizedRows& x, int64_t M, const Output& out,
+              Warmer* warmer) {
   constexpr int64_t kTilesPerBlock = kColumnBlock / kTileColumns;
   const int64_t tiles = (w.N + kTileColumns - 1) / kTileColumns, blocks = (tiles + kTilesPerBlock - 1) / kTilesPerBlock;
   // Rows in panels whose activation codes stay in L2 while every column block passes over them (one
@@ -273,9 +281,9 @@ void multiply(Team::Member& me, const PackedWeight& w, const QuantizedRows& x, i
                              x.sums + first * (x.row_stride / kGroup), x.row_stride};
     const Output panel_out{out.y + first * w.N, out.accumulate};
     if (w.format == PackedWeight::Format::kQ4) {
-      block_of<Q4>(w, rows, std::min(panel, M - first), t, count, panel_out);
+      block_of<Q4>(w, rows, std::min(panel, M - first), t, count, panel_out, warmer);
     } else {
-      block_of<Q8>(w, rows, std::min(panel, M - first), t, count, panel_out);
+      block_of<Q8>(w, rows, std::min(panel, M - first), t, count, panel_out, warmer);
     }
   });
 }

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "team.h"
+#include "warmer.h"
 
 namespace stepahead_cpu {
 
@@ -63,6 +64,8 @@ struct Output {
 
 // M quantized rows times W^T, rounded to bfloat16 values, plus the bias: one phase of the team, its
 // items blocks of 16 columns (two tiles) over a panel of rows (all of a decode step's).
-void multiply(Team::Member& me, const PackedWeight& w, const QuantizedRows& x, int64_t M, const Output& out);
+// warmer: where given, asks for a few of its lines before each tile (DecodeStack's next attention).
+void multiply(Team::Member& me, const PackedWeight& w, const QuantizedRows& x, int64_t M, const Output& out,
+              Warmer* warmer = nullptr);
 
 }  // namespace stepahead_cpu

@@ -181,6 +181,18 @@ void PagedDecode::run(int64_t task, std::vector<float>& scratch) const {
   }
 }
 
+void PagedDecode::warm(int64_t task, Warmer& warmer) const {
+  const int64_t row = task / kv_heads_, kv_head = task % kv_heads_, len = lens_[row];
+  const int64_t* table = tables_ + row * table_stride_;
+  const int64_t bytes = head_dim_ * static_cast<int64_t>(at::elementSize(cache_type_));
+  for (int64_t start = 0; start < len; start += block_size_) {
+    const int64_t at = (kv_head * blocks_ + table[start / block_size_]) * block_size_ * bytes;
+    const int64_t n = std::min(block_size_, len - start) * bytes;
+    warmer.add(static_cast<const char*>(k_) + at, n);
+    warmer.add(static_cast<const char*>(v_) + at, n);
+  }
+}
+
 template <typename T>
 void PagedDecode::run_as(int64_t task, std::vector<float>& scratch) const {
   const T* k_cache = static_cast<const T*>(k_);

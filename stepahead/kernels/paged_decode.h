@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "warmer.h"
+
 namespace stepahead_cpu {
 
 // One decode step's attention over the paged cache: rows x KV heads tasks, each independent.
@@ -22,6 +24,9 @@ class PagedDecode {
   // Task `task`: the query heads of one row that share one KV head. scratch: the caller's buffer,
   // grown as needed.
   void run(int64_t task, std::vector<float>& scratch) const;
+
+  // Adds the memory task `task` reads (its row's keys and values for its KV head) to warmer.
+  void warm(int64_t task, Warmer& warmer) const;
 
  private:
   // run() over caches of element type T: float, c10::BFloat16 or c10::Half

@@ -26,11 +26,13 @@ class Team {
   // One thread's place in the team: how many items all phases so far have handed out.
   class Member {
    public:
-    Member(Team& team, bool leader, int members) : team_(team), leader_(leader), members_(members) {}
+    Member(Team& team, int index, int members) : team_(team), index_(index), members_(members) {}
 
     // The thread that entered the region: the one to call torch's operators (its thread-local state,
     // inference mode included, is the caller's).
-    bool leader() const { return leader_; }
+    bool leader() const { return index_ == 0; }
+    // Which member this is, 0 .. members() - 1 (the leader is 0).
+    int index() const { return index_; }
     int members() const { return members_; }
 
     // A phase of n items: f(i) for every i in [0, n), `chunk` items at a time to whichever member
@@ -54,7 +56,7 @@ class Team {
     // A phase of one item only the leader computes.
     template <class F>
     void leader_runs(F&& f) {
-      if (leader_) {
+      if (leader()) {
         team_.wait_for(base_);
         f();
         team_.claimed_.fetch_add(1, std::memory_order_relaxed);
@@ -65,7 +67,7 @@ class Team {
 
    private:
     Team& team_;
-    bool leader_;
+    int index_;
     int members_;
     int64_t base_ = 0;
   };
@@ -97,13 +99,13 @@ template <class F>
 void run_in_team(int threads, F&& body) {
   Team team;
   if (threads <= 1 || omp_in_parallel()) {
-    Team::Member member(team, true, 1);
+    Team::Member member(team, 0, 1);
     body(member);
     return;
   }
 #pragma omp parallel num_threads(threads)
   {
-    Team::Member member(team, omp_get_thread_num() == 0, omp_get_num_threads());
+    Team::Member member(team, omp_get_thread_num(), omp_get_num_threads());
     body(member);
   }
 }
