@@ -22,6 +22,26 @@ from torch import nn
 # How many of each row's best candidates get exact logits: the packed approximation is off by
 # about 0.1 at most, far less than the gap between a row's 1st and 16th logit.
 RESCORED_LOGITS = 16
+# Logits per chunk when best_indices looks for the best chunks first.
+CHUNK = 128
+
+
+def best_indices(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """[T, k] indices of each row's k largest logits, in no order (ties broken either way).
+
+    A row's k largest lie in the k chunks of CHUNK logits whose maxima are largest (any other chunk's
+    values are below k chunk maxima), so only those chunks are searched. At 32 rows of a 49,152-token
+    vocabulary this takes a third of topk over the whole rows, which read every logit for each of
+    the k."""
+    rows, vocab = logits.shape
+    chunks = vocab // CHUNK
+    if vocab % CHUNK or chunks <= k:
+        return logits.topk(k, dim=-1, sorted=False).indices
+    best_chunks = logits.reshape(rows, chunks, CHUNK).amax(-1).topk(k, dim=-1, sorted=False).indices  # [T, k]
+    candidates = (best_chunks.unsqueeze(-1) * CHUNK
+                  + torch.arange(CHUNK, device=logits.device)).view(rows, k * CHUNK)
+    best = logits.gather(1, candidates).topk(k, dim=-1, sorted=False).indices
+    return candidates.gather(1, best)
 
 
 class RescoredHead(nn.Module):
@@ -39,6 +59,6 @@ class RescoredHead(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, hidden] -> logits [T, vocab] in hidden's dtype."""
         logits = self.packed(hidden)
-        top = logits.topk(self.rescored, dim=-1, sorted=False).indices  # [T, k]
+        top = best_indices(logits, self.rescored)  # [T, k]
         exact = (self._dense[0][top] * hidden.unsqueeze(-2)).sum(-1)  # [T, k]: per-row dot products
         return logits.scatter_(-1, top, exact)

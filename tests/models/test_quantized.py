@@ -176,11 +176,12 @@ def test_a_row_is_computed_the_same_in_any_batch(bits):
     assert torch.equal(layer(x)[299], alone[2])
 
 
-def test_rescored_head_gives_the_dense_heads_best_logits_row_by_row():
+@pytest.mark.parametrize("vocab", [512, 4096])  # 4 and 32 chunks of 128: topk over all, and best chunks first
+def test_rescored_head_gives_the_dense_heads_best_logits_row_by_row(vocab):
     from stepahead.models.packed_head import RESCORED_LOGITS, RescoredHead
 
     torch.manual_seed(0)
-    codes = quantize_int8_rows(torch.randn(512, 64))
+    codes = quantize_int8_rows(torch.randn(vocab, 64))
     dense = codes.dequantize()
     head = RescoredHead(Int8Linear(codes), dense)
     hidden = torch.randn(40, 64) * 4
@@ -193,6 +194,20 @@ def test_rescored_head_gives_the_dense_heads_best_logits_row_by_row():
     assert float((logits - ref).abs().max()) > 1e-3
     alone = torch.cat([head(hidden[i:i + 1]) for i in range(hidden.shape[0])])
     assert torch.equal(alone, head(hidden))  # a row's logits do not depend on its batch
+
+
+@pytest.mark.parametrize("vocab", [128 * 48, 1000])
+def test_best_indices_are_each_rows_k_largest(vocab):
+    from stepahead.models.packed_head import CHUNK, best_indices
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, vocab)
+    logits[0, 2 * CHUNK:2 * CHUNK + 16] += 10  # all of a row's best in one chunk
+    logits[1, ::CHUNK] += 10  # one in each of its first chunks
+    logits[2, -3:] += 10  # at the end of the vocabulary
+    for k in (1, 16):
+        expected = logits.topk(k, dim=-1).indices.sort(-1).values
+        assert torch.equal(best_indices(logits, k).sort(-1).values, expected)
 
 
 def test_prompt_rows_run_the_dense_weight_and_generated_rows_the_packed_kernel():
