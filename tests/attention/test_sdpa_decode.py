@@ -1,7 +1,8 @@
-"""The CPU path's decode rows: a token's attention output is bitwise the same whatever else is in its
-batch, with SDPA (every row padded to a width of its own, padded_blocks, never to its group's longest)
-and with stepahead's decode kernel (each row read through its own block table), and the kernel agrees
-with SDPA over the same keys."""
+"""The CPU path's attention: a token's output is bitwise the same whatever else is in its batch, for
+decode rows with SDPA (every row padded to a width of its own, padded_blocks, never to its group's
+longest) and with stepahead's decode kernel (each row read through its own block table), and for
+prompt rows (same-length prompts side by side share one SDPA call); the kernel agrees with SDPA over
+the same keys."""
 
 from __future__ import annotations
 
@@ -73,6 +74,32 @@ def test_a_decode_rows_attention_does_not_depend_on_its_batch(decode_kernel):
         cache.v[0][:, 1:11].reshape(KV_HEADS, 1, -1, HEAD_DIM)[:, :, :150].expand(KV_HEADS, 3, 150, HEAD_DIM),
         scale=HEAD_DIM ** -0.5)
     assert torch.allclose(together[0], ref.reshape(HEADS, HEAD_DIM), atol=1e-5)
+
+
+@pytest.mark.parametrize("decode_kernel", PATHS)
+def test_a_prompts_attention_does_not_depend_on_the_prompts_beside_it(decode_kernel):
+    """Three 24-token prompts side by side (one causal SDPA call), one of 10 tokens, one of 24 after 16
+    cached tokens, behind a decode row: each prompt's outputs are bitwise those it gets alone."""
+    torch.manual_seed(1)
+    block = 16
+    cache = _cache(64, block)
+    # (new tokens, cached tokens, blocks)
+    prompts = [(24, 0, [1, 2]), (24, 0, [3, 4]), (24, 0, [5, 6]), (10, 0, [7]), (24, 16, [8, 9, 10])]
+    rows, start = [BatchRow(0, 1, 40, [11, 12, 13])], 1
+    for n, cached, blocks in prompts:
+        rows.append(BatchRow(start, n, cached, blocks))
+        start += n
+    q = torch.randn(start, HEADS, HEAD_DIM)
+    k, v = torch.randn(start, KV_HEADS, HEAD_DIM), torch.randn(start, KV_HEADS, HEAD_DIM)
+    together = _attend(q, k, v, cache, rows, decode_kernel, block)
+    for row, (n, cached, blocks) in zip(rows[1:], prompts, strict=True):
+        span = slice(row.start, row.start + n)
+        alone = _attend(q[span], k[span], v[span], cache, [BatchRow(0, n, cached, blocks)], decode_kernel, block)
+        assert torch.equal(alone, together[span])
+    # and a prompt of the shared call attends causally to its own tokens only
+    qp, kp, vp = (x[25:49].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    ref = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=HEAD_DIM ** -0.5, enable_gqa=True)
+    assert torch.allclose(together[25:49], ref[0].transpose(0, 1), atol=1e-5)
 
 
 @needs_kernels
