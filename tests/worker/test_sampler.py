@@ -20,6 +20,7 @@ from stepahead.worker.sampler import (
     apply_bitmask,
     apply_bitmask_torch,
     counter_uniforms,
+    greedy_ids,
     logprobs_to_host,
     sample,
     sample_rows,
@@ -48,6 +49,21 @@ def test_greedy_and_top_k_1():
     assert tok.tolist() == [3]
     toks = {sample_rows(x.clone(), [_row(temperature=1.5, top_k=1)])[0].item() for _ in range(20)}
     assert toks == {3}
+
+
+@pytest.mark.parametrize("vocab", [128 * 40, 1000])  # through the best chunk, and torch's argmax
+def test_greedy_ids_are_torchs_argmax_with_its_ties_and_nans(vocab):
+    torch.manual_seed(0)
+    x = torch.randn(9, vocab)
+    x[1] = 0.0  # all equal: the first
+    x[2, [7, 300, vocab - 1]] = 50.0  # equal maxima in three chunks: the first
+    x[3, [900, 300]] = float("nan")  # NaNs win, the first of them
+    x[4] = float("-inf")
+    x[5, 129] = float("inf")
+    x[6, vocab - 1] = 99.0  # the last id
+    expected = x.argmax(dim=1)
+    assert torch.equal(greedy_ids(x), expected)
+    assert expected[1] == 0 and expected[2] == 7 and expected[3] == 300
 
 
 def test_repetition_penalty_changes_choice():
