@@ -88,9 +88,10 @@ inline void score_eight(const float* q, int64_t q_stride, const T* const keys[8]
 }
 
 // acc[g][d0 .. d0 + 31] = sum over tokens of probs[g][t] * value[t][d0 ..] for heads g0 .. g0 + G - 1
-// (probs: head g0's row, heads padded apart; acc: head g0's outputs, heads hd apart). value(t): token
-// b's first value vector. Each value vector is widened once for the G heads; the sums run in token order,
-// as one head at a time would.
+// (probs: head g0's row, heads padded apart; acc: head g0's outputs, heads hd apart). value_at(b):
+// where the values of the row's block b start; ask_ahead: ask for each next block's values. Each
+// value vector is widened once for the G heads; the sums run in token order, as one head at a time
+// would.
 template <int G, typename T, typename ValueAt>
 inline void weigh_values(const float* probs, int64_t padded, int64_t len, int64_t block_size, int64_t d0,
                          const ValueAt& value_at, bool ask_ahead, float* acc, int64_t hd) {
