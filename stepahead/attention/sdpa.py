@@ -1,23 +1,30 @@
-"""Attention over the paged KV cache with torch SDPA (the CPU path): a mixed prefill + decode batch.
+"""Attention over the paged KV cache with torch SDPA or stepahead's CPU kernel (the CPU path): a mixed
+prefill + decode batch.
 
-A request's context is gathered block-wise from the head-major cache (attention/paged_cache.py) with one
-`index_select(out=...)` into a reusable buffer, and the gathered [kv_heads, rows, tokens, head_dim] tensor
-feeds SDPA with every (head, row) slab contiguous (measured faster than token-major for both the gather
-and SDPA on CPU).
+With `decode_kernel` (float32 on CPU where stepahead's kernels build) every token of the step, a
+decode row's or a prompt's, is one row of stepahead's kernel (kernels/paged_decode.cpp): its query
+attends to its request's keys up to its own position, read through the request's block table where
+they lie (no gather, no padding, no mask), in one call per layer. A token's attention then depends on
+its position and the cached keys alone, never on how its prompt was split into chunks, whether its
+prefix came from the prefix cache, or what else is in the batch: chunked equals unchunked, cached
+equals uncached and preempted equals unpreempted, bitwise.
 
-The flattened batch is ordered by the model runner as: single-token rows first (decodes, and one-token
-prefill chunks) sorted by context length, then multi-token rows. Single-token rows are attended in a few
-padded SDPA calls, one per padded width (padded_blocks: a width that depends on the row alone, so a
-token's attention is bitwise the same whatever else is in its batch), or, with `decode_kernel`, in one
-call of stepahead's CPU kernel (kernels/paged_decode.cpp), which reads each row's keys through its block
-table where they lie: no gather, no padding, no mask. Each multi-token row gets its own SDPA call (there
-are few per step), causal within its new tokens and full over its cached prefix.
+Without it, a request's context is gathered block-wise from the head-major cache
+(attention/paged_cache.py) with one `index_select(out=...)` into a reusable buffer, and the gathered
+[kv_heads, rows, tokens, head_dim] tensor feeds SDPA with every (head, row) slab contiguous (measured
+faster than token-major for both the gather and SDPA on CPU). The flattened batch is ordered by the
+model runner as: single-token rows first (decodes, and one-token prefill chunks) sorted by context
+length, then multi-token rows. Single-token rows are attended in a few padded SDPA calls, one per
+padded width (padded_blocks: a width that depends on the row alone, so a token's attention is bitwise
+the same whatever else is in its batch). Each multi-token row gets its own SDPA call (same-length
+fresh prompts side by side share one), causal within its new tokens and full over its cached prefix.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -39,15 +46,15 @@ class PrefillRow:
 
 @dataclass
 class DecodeGroup:
-    """Single-token rows [start, end) of the flattened batch, attended in one call.
+    """Tokens [start, end) of the flattened batch, each a row of one query attended in one call.
 
-    The runner sorts these rows by context length; for SDPA a group holds the rows of one padded width,
-    for the decode kernel there is one group of every such row."""
+    For SDPA a group holds single-token rows (the runner sorts them by context length) of one padded
+    width; for the decode kernel there is one group of every token of the step."""
 
     start: int
     end: int
-    block_table: torch.Tensor  # [rows, width] long (padding points at null block 0)
-    seq_lens: torch.Tensor  # [rows] long: keys per row, its new token included
+    block_table: torch.Tensor  # [rows, width] long: each row's request's table (padding points at null block 0)
+    seq_lens: torch.Tensor  # [rows] long: keys per row, its own token included
     mask: torch.Tensor | None  # SDPA's [1, rows, 1, width * block_size] bool: key is valid (None: the kernel)
 
 
@@ -58,14 +65,15 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] long: flat slot (block * block_size + offset) of each new token
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillRow] = field(default_factory=list)
-    decode_kernel: bool = False  # single-token rows run stepahead's CPU kernel instead of SDPA
+    decode_kernel: bool = False  # every token runs stepahead's CPU kernel instead of SDPA
+    prompt_tokens: bool = False  # with decode_kernel: some rows are prompt tokens
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, scale: float) -> torch.Tensor:
         return paged_attention(q, k, v, kv, self, scale)
 
     def single_decode_group(self) -> DecodeGroup | None:
         """The step's only group when every row is a decode row for the kernel (what DecodeStack runs)."""
-        if self.decode_kernel and not self.prefills and len(self.decode_groups) == 1:
+        if self.decode_kernel and not self.prompt_tokens and len(self.decode_groups) == 1:
             return self.decode_groups[0]
         return None
 
@@ -106,7 +114,6 @@ class StagedMetadata:
     decode_groups: list[tuple[int, int, int, int]]  # (first row, end row, table width, table offset)
     prefills: list[tuple[BatchRow, int | None]]  # (row, table offset or None without a cached prefix)
     lens_offset: int
-    decode_kernel: bool
 
     def finish(self, slot_mapping: torch.Tensor, staging, block_size: int,
                arange: torch.Tensor) -> AttentionMetadata:
@@ -115,10 +122,8 @@ class StagedMetadata:
         for first, end, width, table_offset in self.decode_groups:
             rows = end - first
             lens = staging.view(self.lens_offset + first, rows)
-            mask = None
-            if not self.decode_kernel:
-                keys = arange[: width * block_size]
-                mask = (keys.unsqueeze(0) < lens.unsqueeze(1)).view(1, rows, 1, width * block_size)
+            keys = arange[: width * block_size]
+            mask = (keys.unsqueeze(0) < lens.unsqueeze(1)).view(1, rows, 1, width * block_size)
             # Decode rows come first and hold one token each: row index == token index.
             table = staging.view(table_offset, rows * width, (rows, width))
             groups.append(DecodeGroup(first, end, table, lens, mask))
@@ -133,24 +138,65 @@ class StagedMetadata:
             mask = (keys.unsqueeze(0) <= (arange[:new] + cached).unsqueeze(1)).view(1, 1, new, cached + new)
             table = staging.view(table_offset, row.blocks_needed(block_size))
             prefills.append(PrefillRow(row.start, end, cached, table, mask))
-        return AttentionMetadata(slot_mapping, groups, prefills, self.decode_kernel)
+        return AttentionMetadata(slot_mapping, groups, prefills)
+
+
+@dataclass
+class StagedKernelRows:
+    """Where stage_kernel_rows put the kernel's inputs in the staging buffer: the requests' tables
+    [requests, width], the keys of each token, and (with prompt tokens) each token's request."""
+
+    num_tokens: int
+    num_requests: int
+    width: int
+    table_offset: int
+    lens_offset: int
+    token_requests_offset: int | None  # None: one token per request, row index == token index
+
+    def finish(self, slot_mapping: torch.Tensor, staging, block_size: int,
+               arange: torch.Tensor) -> AttentionMetadata:
+        table = staging.view(self.table_offset, self.num_requests * self.width, (self.num_requests, self.width))
+        if self.token_requests_offset is not None:
+            # each token's request's table (one index_select a step, shared by every layer)
+            table = table.index_select(0, staging.view(self.token_requests_offset, self.num_tokens))
+        group = DecodeGroup(0, self.num_tokens, table, staging.view(self.lens_offset, self.num_tokens), None)
+        return AttentionMetadata(slot_mapping, [group] if self.num_tokens else [], [], True,
+                                 self.token_requests_offset is not None)
+
+
+def stage_kernel_rows(rows: list[BatchRow], staging, block_size: int) -> StagedKernelRows:
+    """The decode kernel's inputs for every token of the step (host side): token i of a request whose
+    first new token is at position c attends to keys 0 .. c + i, its own included."""
+    num_tokens = sum(row.num_new_tokens for row in rows)
+    width = max((row.blocks_needed(block_size) for row in rows), default=1)
+    table_offset = stage_block_table(rows, width, block_size, staging)
+    lens, lens_offset = staging.alloc(num_tokens)
+    token_requests_offset = None
+    if num_tokens == len(rows):
+        for b, row in enumerate(rows):
+            lens[b] = row.num_computed_tokens + 1
+    else:
+        token_requests, token_requests_offset = staging.alloc(num_tokens)
+        for b, row in enumerate(rows):
+            end = row.start + row.num_new_tokens
+            lens[row.start:end] = np.arange(row.num_computed_tokens + 1, row.num_computed_tokens + row.num_new_tokens + 1)
+            token_requests[row.start:end] = b
+    return StagedKernelRows(num_tokens, len(rows), width, table_offset, lens_offset, token_requests_offset)
 
 
 def stage_metadata(rows: list[BatchRow], num_decode_rows: int, staging, block_size: int,
-                   max_blocks: int, decode_kernel: bool = False) -> StagedMetadata:
-    """Write block tables and context lengths into the step's staging buffer (host side).
+                   max_blocks: int) -> StagedMetadata:
+    """Write block tables and context lengths into the step's staging buffer (host side), for SDPA.
 
     The batch's first num_decode_rows rows are single-token rows sorted by context length; they are
-    attended in a few padded groups (one group with decode_kernel), each multi-token row on its own.
+    attended in a few padded groups, each multi-token row on its own.
     """
     needs = [rows[b].blocks_needed(block_size) for b in range(num_decode_rows)]
     lens, lens_offset = staging.alloc(num_decode_rows)
     for b in range(num_decode_rows):
         lens[b] = rows[b].num_computed_tokens + 1
     groups = []
-    # The kernel reads each row's own keys only: its table's width can be anything that covers them.
-    layout = [(0, num_decode_rows, max(needs))] if decode_kernel and needs else decode_groups(needs, max_blocks)
-    for first, end, width in layout:
+    for first, end, width in decode_groups(needs, max_blocks):
         groups.append((first, end, width, stage_block_table(rows[first:end], width, block_size, staging)))
     prefills: list[tuple[BatchRow, int | None]] = []
     for row in rows[num_decode_rows:]:
@@ -158,7 +204,7 @@ def stage_metadata(rows: list[BatchRow], num_decode_rows: int, staging, block_si
             prefills.append((row, None))
             continue
         prefills.append((row, stage_block_table([row], row.blocks_needed(block_size), block_size, staging)))
-    return StagedMetadata(groups, prefills, lens_offset, decode_kernel)
+    return StagedMetadata(groups, prefills, lens_offset)
 
 
 def write_kv(kv: LayerKV, k: torch.Tensor, v: torch.Tensor,
@@ -267,8 +313,8 @@ def _fresh_runs(prefills: list[PrefillRow]) -> list[tuple[PrefillRow, int]]:
 class SdpaBackend:
     """The CPU attention path behind the interface the model runner uses (stage, then finish).
 
-    decode_kernel: single-token rows run stepahead's CPU kernel (the runner asks for it where the
-    model's packed weights run stepahead's kernels too; the fp32 reference path keeps SDPA)."""
+    decode_kernel: every token runs stepahead's CPU kernel (the runner asks for it where the model runs
+    stepahead's CPU kernels: float32 on CPU where they build, dense or packed weights)."""
 
     name = "sdpa"
 
@@ -278,8 +324,10 @@ class SdpaBackend:
         self.arange = arange  # a device arange long enough for any row's keys
         self.decode_kernel = decode_kernel
 
-    def stage(self, rows: list[BatchRow], num_decode_rows: int, staging) -> StagedMetadata:
-        return stage_metadata(rows, num_decode_rows, staging, self.block_size, self.max_blocks, self.decode_kernel)
+    def stage(self, rows: list[BatchRow], num_decode_rows: int, staging) -> StagedMetadata | StagedKernelRows:
+        if self.decode_kernel:
+            return stage_kernel_rows(rows, staging, self.block_size)
+        return stage_metadata(rows, num_decode_rows, staging, self.block_size, self.max_blocks)
 
-    def finish(self, staged: StagedMetadata, slot_mapping: torch.Tensor, staging) -> AttentionMetadata:
+    def finish(self, staged: StagedMetadata | StagedKernelRows, slot_mapping: torch.Tensor, staging) -> AttentionMetadata:
         return staged.finish(slot_mapping, staging, self.block_size, self.arange)

@@ -130,9 +130,9 @@ class ModelRunner:
         self.vocab_size = model_config.vocab_size
         self.eos_token_ids = [i for i in (model_config.eos_token_id, *model_config.extra_eos_token_ids) if i is not None]
         max_blocks_per_seq = cdiv(sched_config.max_model_len, cache_config.block_size)
-        # Worst step: 4 per token (ids, positions, slots, prompt/generated row index), block tables of
-        # every row, 6 per row.
-        capacity = (4 * sched_config.max_num_batched_tokens + 6 * sched_config.max_num_seqs + 1
+        # Worst step: 6 per token (ids, positions, slots, prompt/generated row index, the decode kernel's
+        # keys per token and token-to-request index), block tables of every row, 6 per row.
+        capacity = (6 * sched_config.max_num_batched_tokens + 6 * sched_config.max_num_seqs + 1
                     + 2 * sched_config.max_num_seqs * max_blocks_per_seq + STAGING_ALIGNMENT_SLACK)
         self.staging = StagingBuffer(capacity, self.device)
         if config.attention_backend == "triton":
