@@ -22,6 +22,7 @@
 #include "ops.h"
 #include "paged_decode.h"
 #include "simd.h"
+#include "team.h"
 
 namespace stepahead_cpu {
 
@@ -115,6 +116,55 @@ inline void weigh_values(const float* probs, int64_t padded, int64_t len, int64_
     for (int i = 0; i < 4; ++i) _mm256_storeu_ps(acc + g * hd + d0 + 8 * i, sums[g][i]);
 }
 
+// p[0 .. len) -> e^(p - max), p[len .. padded) -> 0 (padded: len rounded up to eight); returns
+// their sum, eight lanes at a time. One row's softmax, the same code for every path.
+inline float exponentiate(float* p, int64_t len) {
+  const int64_t padded = (len + 7) / 8 * 8;
+  std::fill(p + len, p + padded, -INFINITY);  // e^-inf is 0
+  __m256 highest = _mm256_set1_ps(-INFINITY);
+  for (int64_t t = 0; t < padded; t += 8) highest = _mm256_max_ps(highest, _mm256_loadu_ps(p + t));
+  const __m256 top = _mm256_set1_ps(max_lanes(highest));
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t t = 0; t < padded; t += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + t), top));
+    _mm256_storeu_ps(p + t, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  return sum_lanes(sum);
+}
+
+// weigh_values over tokens [begin, end) only, continuing the sums held in acc: values holds token
+// begin's 32 outputs (from d0), then the next token's hd floats on. Loading the sums from acc and
+// storing them back is exact, so spans in token order give weigh_values' bits.
+template <int G>
+inline void weigh_span(const float* probs, int64_t padded, int64_t begin, int64_t end, const float* values,
+                       float* acc, int64_t hd) {
+  __m256 sums[G][4];
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < 4; ++i) sums[g][i] = _mm256_loadu_ps(acc + g * hd + 8 * i);
+  for (int64_t t = begin; t < end; ++t, values += hd) {
+    __m256 p[G];
+    for (int g = 0; g < G; ++g) p[g] = _mm256_set1_ps(probs[g * padded + t]);
+    for (int i = 0; i < 4; ++i) {
+      const __m256 v = _mm256_loadu_ps(values + 8 * i);
+      for (int g = 0; g < G; ++g) sums[g][i] = _mm256_fmadd_ps(p[g], v, sums[g][i]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < 4; ++i) _mm256_storeu_ps(acc + g * hd + 8 * i, sums[g][i]);
+}
+
+// n values from p as floats into out, eight at a time (n a multiple of eight).
+template <typename T>
+inline void widen(const T* p, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(out + i, load8(p + i));
+}
+
+// Rows a tile holds at most: each widened key then feeds eight rows' scores from L1.
+constexpr int64_t kTileRows = 8;
+// Tokens whose values a tile widens at a time (a multiple of any block size up to 64).
+constexpr int64_t kValueSpan = 64;
+
 }  // namespace
 
 // q [rows, heads, head_dim] (any row and head strides, unit stride within a head), block_table
@@ -154,7 +204,22 @@ PagedDecode::PagedDecode(const at::Tensor& q, const at::Tensor& k_cache, const a
                 " keys, its block table covers ", width * block_size_);
     keys += lens_[r];
   }
-  work_per_task_ = std::max<int64_t>(1, keys / std::max<int64_t>(rows_, 1) * (heads_ / kv_heads_) * head_dim_ * 2);
+  // Tiles: runs of rows that read the same keys (a prompt's tokens). A row joins the tile of the row
+  // before it where its length is no shorter and its table names the same blocks for every key that
+  // row reads; by induction it then reads every earlier row's keys where they do, and the tile's last
+  // row reads them all. The tiled loops need whole 8-token groups and 32-float output spans.
+  const bool tiles = head_dim_ % 32 == 0 && block_size_ % 8 == 0 && kValueSpan % block_size_ == 0;
+  for (int64_t r = 0; r < rows_; ++r) {
+    const int64_t start = tile_starts_.empty() ? -1 : tile_starts_.back();
+    const int64_t* before = tables_ + (r - 1) * table_stride_;
+    const bool joins = tiles && r > 0 && r - start < kTileRows && lens_[r] >= lens_[r - 1] &&
+                       std::equal(before, before + (lens_[r - 1] + block_size_ - 1) / block_size_,
+                                  tables_ + r * table_stride_);
+    if (!joins) tile_starts_.push_back(r);
+  }
+  const int64_t num_tiles = static_cast<int64_t>(tile_starts_.size());
+  tile_starts_.push_back(rows_);
+  work_per_task_ = std::max<int64_t>(1, keys / std::max<int64_t>(num_tiles, 1) * (heads_ / kv_heads_) * head_dim_ * 2);
 }
 
 // The scores of the task's query heads against the row's keys, a softmax (its sum eight lanes at a
@@ -182,8 +247,17 @@ void PagedDecode::run(int64_t task, std::vector<float>& scratch) const {
   }
 }
 
+template <typename T>
+void PagedDecode::run_as(int64_t task, std::vector<float>& scratch) const {
+  const int64_t tile = task / kv_heads_, kv_head = task % kv_heads_;
+  const int64_t first = tile_starts_[tile], end = tile_starts_[tile + 1];
+  if (end - first == 1) return run_row<T>(first, kv_head, scratch);
+  run_tile<T>(first, end, kv_head, scratch);
+}
+
 void PagedDecode::warm(int64_t task, Warmer& warmer) const {
-  const int64_t row = task / kv_heads_, kv_head = task % kv_heads_, len = lens_[row];
+  // a tile's last row reads every key its other rows read
+  const int64_t row = tile_starts_[task / kv_heads_ + 1] - 1, kv_head = task % kv_heads_, len = lens_[row];
   const int64_t* table = tables_ + row * table_stride_;
   const int64_t bytes = head_dim_ * static_cast<int64_t>(at::elementSize(cache_type_));
   for (int64_t start = 0; start < len; start += block_size_) {
@@ -195,10 +269,10 @@ void PagedDecode::warm(int64_t task, Warmer& warmer) const {
 }
 
 template <typename T>
-void PagedDecode::run_as(int64_t task, std::vector<float>& scratch) const {
+void PagedDecode::run_row(int64_t row, int64_t kv_head, std::vector<float>& scratch) const {
   const T* k_cache = static_cast<const T*>(k_);
   const T* v_cache = static_cast<const T*>(v_);
-  const int64_t row = task / kv_heads_, kv_head = task % kv_heads_, group = heads_ / kv_heads_;
+  const int64_t group = heads_ / kv_heads_;
   const int64_t hd = head_dim_, len = lens_[row], padded = (len + 7) / 8 * 8;
   const int64_t* table = tables_ + row * table_stride_;
   // where token t of this KV head lies
@@ -242,20 +316,7 @@ void PagedDecode::run_as(int64_t task, std::vector<float>& scratch) const {
       for (int64_t g = 0; g < group; ++g) probs[g * padded + t] = dot(q + g * q_head_stride_, key, hd) * scale_;
     }
   }
-  for (int64_t g = 0; g < group; ++g) {
-    float* p = probs + g * padded;
-    std::fill(p + len, p + padded, -INFINITY);
-    __m256 highest = _mm256_set1_ps(-INFINITY);
-    for (int64_t t = 0; t < padded; t += 8) highest = _mm256_max_ps(highest, _mm256_loadu_ps(p + t));
-    const __m256 top = _mm256_set1_ps(max_lanes(highest));
-    __m256 sum = _mm256_setzero_ps();
-    for (int64_t t = 0; t < padded; t += 8) {
-      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + t), top));
-      _mm256_storeu_ps(p + t, e);
-      sum = _mm256_add_ps(sum, e);
-    }
-    totals[g] = sum_lanes(sum);
-  }
+  for (int64_t g = 0; g < group; ++g) totals[g] = exponentiate(probs + g * padded, len);
   std::fill_n(acc, group * hd, 0.f);
   const int64_t held = vectors ? hd / 32 * 32 : 0;  // outputs summed in registers, 32 at a time
   const auto value_at = [&](int64_t b) { return v_cache + block_at(b); };
@@ -281,14 +342,89 @@ void PagedDecode::run_as(int64_t task, std::vector<float>& scratch) const {
   }
 }
 
+// The rows [first, end) of a tile against one KV head: each row's arithmetic is run_row's, in the
+// same order, so its output bits are those it gets alone; the loops share the work around it. Each
+// eight keys are widened once into floats (exact) and scored by every row that reads them, from L1,
+// where run_row would read and widen them once per row (a 2,048-token prompt's rows read 2 million
+// keys per KV head from L3); each span of values is widened once too and weighed by every row, the
+// sums kept in acc between spans.
+template <typename T>
+void PagedDecode::run_tile(int64_t first, int64_t end, int64_t kv_head, std::vector<float>& scratch) const {
+  const T* k_cache = static_cast<const T*>(k_);
+  const T* v_cache = static_cast<const T*>(v_);
+  const int64_t n = end - first, group = heads_ / kv_heads_, hd = head_dim_;
+  const int64_t longest = lens_[end - 1], padded = (longest + 7) / 8 * 8;  // lengths never shrink in a tile
+  const int64_t* table = tables_ + (end - 1) * table_stride_;
+  const auto block_at = [&](int64_t b) { return (kv_head * blocks_ + table[b]) * block_size_ * hd; };
+  scratch.resize(n * group * (padded + hd + 1) + kValueSpan * hd);
+  float* probs = scratch.data();               // [n, group, padded]
+  float* acc = probs + n * group * padded;     // [n, group, hd]
+  float* totals = acc + n * group * hd;        // [n, group]
+  float* widened = totals + n * group;         // [kValueSpan, hd]: eight keys, or a span of values
+  const float* keys[8];
+  for (int64_t i = 0; i < 8; ++i) keys[i] = widened + i * hd;
+  const auto q_of = [&](int64_t i) { return q_ + (first + i) * q_row_stride_ + kv_head * group * q_head_stride_; };
+  for (int64_t b = 0, start = 0; start < longest; ++b, start += block_size_) {
+    const T* block = k_cache + block_at(b);
+    if (start + 2 * block_size_ < longest) prefetch(k_cache + block_at(b + 2), block_size_ * hd);
+    for (int64_t t0 = start; t0 < std::min(longest, start + block_size_); t0 += 8) {
+      for (int64_t i = 0; i < 8; ++i) widen(block + (std::min(t0 + i, longest - 1) - start) * hd, hd, widened + i * hd);
+      for (int64_t i = 0; i < n; ++i) {
+        if (t0 >= lens_[first + i]) continue;  // the row's keys ended (past its length within these
+        const float* q = q_of(i);               // eight, its scores are overwritten below, as run_row's are)
+        float* p = probs + i * group * padded;
+        for (int64_t g = 0; g < group; g += 3) {
+          switch (std::min<int64_t>(3, group - g)) {
+            case 3: score_eight<3>(q + g * q_head_stride_, q_head_stride_, keys, hd, scale_, p + g * padded, padded, t0); break;
+            case 2: score_eight<2>(q + g * q_head_stride_, q_head_stride_, keys, hd, scale_, p + g * padded, padded, t0); break;
+            default: score_eight<1>(q + g * q_head_stride_, q_head_stride_, keys, hd, scale_, p + g * padded, padded, t0);
+          }
+        }
+      }
+    }
+  }
+  for (int64_t i = 0; i < n * group; ++i) totals[i] = exponentiate(probs + i * padded, lens_[first + i / group]);
+  std::fill_n(acc, n * group * hd, 0.f);
+  for (int64_t span = 0; span < longest; span += kValueSpan) {
+    const int64_t span_end = std::min(longest, span + kValueSpan);
+    for (int64_t t = span; t < span_end; t += block_size_)
+      widen(v_cache + block_at(t / block_size_), std::min(block_size_, span_end - t) * hd, widened + (t - span) * hd);
+    for (int64_t i = 0; i < n; ++i) {
+      if (span >= lens_[first + i]) continue;
+      const int64_t stop = std::min(span_end, lens_[first + i]);
+      for (int64_t g = 0; g < group; g += 3) {
+        const float* p = probs + (i * group + g) * padded;
+        float* a = acc + (i * group + g) * hd;
+        for (int64_t d0 = 0; d0 < hd; d0 += 32) {
+          switch (std::min<int64_t>(3, group - g)) {
+            case 3: weigh_span<3>(p, padded, span, stop, widened + d0, a + d0, hd); break;
+            case 2: weigh_span<2>(p, padded, span, stop, widened + d0, a + d0, hd); break;
+            default: weigh_span<1>(p, padded, span, stop, widened + d0, a + d0, hd);
+          }
+        }
+      }
+    }
+  }
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t g = 0; g < group; ++g) {
+      float* o = out_ + ((first + i) * heads_ + kv_head * group + g) * hd;
+      const float* a = acc + (i * group + g) * hd;
+      for (int64_t d = 0; d < hd; ++d) o[d] = a[d] / totals[i * group + g];
+    }
+}
+
 void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_table, const at::Tensor& seq_lens, double scale, at::Tensor& out) {
   const PagedDecode job(q, k_cache, v_cache, block_table, seq_lens, scale, out);
-  at::parallel_for(0, job.tasks(), std::max<int64_t>(1, kWorkPerTask / job.work_per_task()),
-                   [&](int64_t begin, int64_t end) {
-                     std::vector<float> scratch;
-                     for (int64_t task = begin; task < end; ++task) job.run(task, scratch);
-                   });
+  // Tasks go to whichever thread asks first: a prompt's later rows read more keys than its first
+  // (a 2,048-token prompt's second half holds three quarters of its work), which a static split
+  // into one range per thread left to one thread.
+  const int64_t chunk = std::max<int64_t>(1, kWorkPerTask / job.work_per_task());
+  const int threads = job.tasks() * job.work_per_task() < kWorkPerTask ? 1 : at::get_num_threads();
+  run_in_team(threads, [&](Team::Member& me) {
+    std::vector<float> scratch;
+    me.share(job.tasks(), chunk, [&](int64_t task) { job.run(task, scratch); });
+  });
 }
 
 }  // namespace stepahead_cpu

@@ -10,19 +10,21 @@
 
 namespace stepahead_cpu {
 
-// One decode step's attention over the paged cache: rows x KV heads tasks, each independent.
+// One step's attention over the paged cache, a query per row (a generated token's, or a prompt's):
+// tiles x KV heads tasks, each independent. A tile is one row, or consecutive rows that read the same
+// keys (a prompt's tokens), computed together with each row's bits unchanged.
 class PagedDecode {
  public:
   // Checks the operands as paged_decode_attention takes them (ops.h); they must outlive the object.
   PagedDecode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
               const at::Tensor& block_table, const at::Tensor& seq_lens, double scale, at::Tensor& out);
 
-  int64_t tasks() const { return rows_ * kv_heads_; }
+  int64_t tasks() const { return (static_cast<int64_t>(tile_starts_.size()) - 1) * kv_heads_; }
   // Multiply-adds of an average task.
   int64_t work_per_task() const { return work_per_task_; }
 
-  // Task `task`: the query heads of one row that share one KV head. scratch: the caller's buffer,
-  // grown as needed.
+  // Task `task`: the query heads of one tile's rows that share one KV head. scratch: the caller's
+  // buffer, grown as needed.
   void run(int64_t task, std::vector<float>& scratch) const;
 
   // Adds the memory task `task` reads (its row's keys and values for its KV head) to warmer.
@@ -32,6 +34,10 @@ class PagedDecode {
   // run() over caches of element type T: float, c10::BFloat16 or c10::Half
   template <typename T>
   void run_as(int64_t task, std::vector<float>& scratch) const;
+  template <typename T>
+  void run_row(int64_t row, int64_t kv_head, std::vector<float>& scratch) const;
+  template <typename T>
+  void run_tile(int64_t first, int64_t end, int64_t kv_head, std::vector<float>& scratch) const;
 
   const float* q_;
   const void* k_;
@@ -43,6 +49,7 @@ class PagedDecode {
   int64_t rows_, heads_, kv_heads_, head_dim_, blocks_, block_size_;
   int64_t q_row_stride_, q_head_stride_, table_stride_, work_per_task_;
   float scale_;
+  std::vector<int64_t> tile_starts_;  // each tile's first row, then rows_
 };
 
 }  // namespace stepahead_cpu

@@ -107,7 +107,7 @@ def test_a_prompts_attention_does_not_depend_on_the_prompts_beside_it(decode_ker
 @pytest.mark.parametrize("kv_heads", [1, 3, 9])
 def test_the_decode_kernel_agrees_with_sdpa_in_a_mixed_batch(block_size, kv_heads):
     """Ragged decode rows on scattered blocks, then a prefill with a cached prefix and a fresh prefill:
-    the kernel's decode rows equal SDPA's up to float rounding, and the prefill rows are SDPA's own."""
+    the kernel's rows, decode and prompt tokens alike, equal SDPA's up to float rounding."""
     torch.manual_seed(block_size * 10 + kv_heads)
     cache_len = [1, 7, 33, 100]
     num_blocks = 4 + sum(-(-(n + 1) // block_size) for n in cache_len) + -(-40 // block_size)
@@ -131,8 +131,42 @@ def test_the_decode_kernel_agrees_with_sdpa_in_a_mixed_batch(block_size, kv_head
     by_sdpa = _attend(q, k, v, sdpa_cache, rows, False, block_size)
     by_kernel = _attend(q, k, v, kernel_cache, rows, True, block_size)
     assert torch.equal(kernel_cache.k[0], sdpa_cache.k[0]) and torch.equal(kernel_cache.v[0], sdpa_cache.v[0])
-    torch.testing.assert_close(by_kernel[:start], by_sdpa[:start], atol=2e-6, rtol=1e-5)
-    assert torch.equal(by_kernel[start:], by_sdpa[start:])
+    torch.testing.assert_close(by_kernel, by_sdpa, atol=2e-6, rtol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_on_the_kernel_a_prompts_attention_does_not_depend_on_its_chunks(cache_dtype):
+    """On the decode kernel a prompt token attends like a decode row at its position: a 40-token prompt
+    in one step, in chunks of 13, 20 and 7 (each beside another request's decode row), and one token a
+    step give bitwise the same outputs (chunked equals unchunked, cached equals uncached)."""
+    torch.manual_seed(4)
+    block, n = 16, 40
+    blocks, other = [3, 1, 5], [2]  # the prompt's scattered blocks; a decode row's
+    q = torch.randn(n, HEADS, HEAD_DIM)
+    k, v = torch.randn(n, KV_HEADS, HEAD_DIM), torch.randn(n, KV_HEADS, HEAD_DIM)
+    qd, kd, vd = torch.randn(1, HEADS, HEAD_DIM), torch.randn(1, KV_HEADS, HEAD_DIM), torch.randn(1, KV_HEADS, HEAD_DIM)
+
+    def cache():
+        c = PagedKVCache(1, 8, block, KV_HEADS, HEAD_DIM, cache_dtype, "cpu")
+        c.k[0][:, other[0]].normal_()
+        c.v[0][:, other[0]].normal_()
+        return c
+
+    whole = _attend(q, k.clone(), v.clone(), cache(), [BatchRow(0, n, 0, blocks)], True, block)
+    chunked, parts, start = cache(), [], 0
+    for size in (13, 20, 7):
+        span = slice(start, start + size)
+        rows = [BatchRow(0, 1, 9, other), BatchRow(1, size, start, blocks)]  # the decode row first, as the runner lays out
+        out = _attend(torch.cat([qd, q[span]]), torch.cat([kd, k[span]]), torch.cat([vd, v[span]]), chunked, rows,
+                      True, block)
+        parts.append(out[1:])
+        start += size
+    assert torch.equal(torch.cat(parts), whole)
+    stepwise = cache()
+    one_at_a_time = [_attend(q[t:t + 1], k[t:t + 1].clone(), v[t:t + 1].clone(), stepwise, [BatchRow(0, 1, t, blocks)],
+                             True, block) for t in range(n)]
+    assert torch.equal(torch.cat(one_at_a_time), whole)
 
 
 @needs_kernels
@@ -175,6 +209,47 @@ def test_the_decode_kernel_over_query_heads_per_kv_head(heads, kv_heads):
     """Query heads that share a KV head are computed three at a time (each key and value widened once
     for them): groups of 1, 2, 4 (3 + 1), 5 (3 + 2) and 8 heads."""
     _check_kernel_against_float64(heads, kv_heads, 64, 16, torch.float16)
+
+
+@needs_kernels
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("block_size,head_dim", [(8, 64), (16, 64), (32, 128), (16, 80), (5, 64)])
+def test_the_decode_kernels_tiles_give_each_row_the_bits_it_gets_alone(cache_dtype, block_size, head_dim):
+    """Rows that read the same keys (a prompt's tokens: one table, lengths counting up) are computed in
+    tiles of up to eight; each row's output is bitwise the one it gets in a call of its own. Prompts of
+    37 tokens after 20 cached and of 13 fresh ones, a decode row between them, then a row with the same
+    lengths' table but one block different (it must not join the tile); heads of 80 floats and blocks
+    of 5 tokens take the untiled path."""
+    from stepahead.kernels import cpu_ops
+
+    torch.manual_seed(block_size + head_dim)
+    need = -(-57 // block_size)
+    num_blocks = 3 * need + 2
+    k_cache, v_cache = (torch.randn(KV_HEADS, num_blocks, block_size, head_dim).to(cache_dtype) for _ in range(2))
+    blocks = torch.randperm(num_blocks - 1) + 1
+    a, b = blocks[:need], blocks[need:2 * need]
+    other = a.clone()
+    other[0] = blocks[2 * need]  # the same table but for its first block
+    table_rows = [a] * 37 + [b] + [b] * 13 + [other] * 2
+    lens = list(range(21, 58)) + [40] + list(range(1, 14)) + [56, 57]
+    table = torch.stack(table_rows)
+    qkv = torch.randn(len(lens), HEADS + 2 * KV_HEADS, head_dim)
+    q = qkv[:, :HEADS]  # strided rows, as the model hands them over
+    together = torch.empty(len(lens), HEADS, head_dim)
+    cpu_ops.paged_decode_attention(q, k_cache, v_cache, table, torch.tensor(lens), head_dim ** -0.5, together)
+    for r, n in enumerate(lens):
+        alone = torch.empty(1, HEADS, head_dim)
+        cpu_ops.paged_decode_attention(q[r:r + 1], k_cache, v_cache, table[r:r + 1], torch.tensor([n]),
+                                       head_dim ** -0.5, alone)
+        assert torch.equal(alone[0], together[r]), f"row {r}"
+    # and the tiles attend to the right keys: against float64 over the cache's values
+    for r in (0, 36, 38, 50, 52):
+        keys = k_cache[:, table[r]].reshape(KV_HEADS, -1, head_dim)[:, :lens[r]].double()
+        values = v_cache[:, table[r]].reshape(KV_HEADS, -1, head_dim)[:, :lens[r]].double()
+        qr = q[r].double().reshape(KV_HEADS, HEADS // KV_HEADS, head_dim)
+        weights = torch.softmax(qr @ keys.transpose(1, 2) * head_dim ** -0.5, dim=-1)
+        torch.testing.assert_close(together[r].double(), (weights @ values).reshape(HEADS, head_dim),
+                                   rtol=1e-5, atol=1e-5)
 
 
 # how write_kv stores into a 16-bit cache: stepahead's one-pass kernel, or torch's operators
