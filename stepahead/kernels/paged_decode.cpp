@@ -88,6 +88,20 @@ inline void score_eight(const float* q, int64_t q_stride, const T* const keys[8]
     _mm256_storeu_ps(probs + g * padded + t0, _mm256_mul_ps(sum_lanes8(sums[g]), _mm256_set1_ps(scale)));
 }
 
+// One token's step of the weighted sums: sums[g][i] += probs[g][t] * value[8 i .. 8 i + 7] for the
+// G heads (probs: head g0's row, heads padded apart), value widened once for them. Every path's sums
+// take their steps through here, so they round alike.
+template <int G, typename T>
+__attribute__((always_inline)) inline void add_weighted(__m256 (&sums)[G][4], const float* probs, int64_t padded,
+                                                        int64_t t, const T* value) {
+  __m256 p[G];
+  for (int g = 0; g < G; ++g) p[g] = _mm256_set1_ps(probs[g * padded + t]);
+  for (int i = 0; i < 4; ++i) {
+    const __m256 v = load8(value + 8 * i);
+    for (int g = 0; g < G; ++g) sums[g][i] = _mm256_fmadd_ps(p[g], v, sums[g][i]);
+  }
+}
+
 // acc[g][d0 .. d0 + 31] = sum over tokens of probs[g][t] * value[t][d0 ..] for heads g0 .. g0 + G - 1
 // (probs: head g0's row, heads padded apart; acc: head g0's outputs, heads hd apart). value_at(b):
 // where the values of the row's block b start; ask_ahead: ask for each next block's values. Each
@@ -103,14 +117,7 @@ inline void weigh_values(const float* probs, int64_t padded, int64_t len, int64_
     const T* values = value_at(b) + d0;
     if (ask_ahead && t0 + block_size < len) prefetch(value_at(b + 1), block_size * hd);
     const int64_t end = std::min(len, t0 + block_size);
-    for (int64_t t = t0; t < end; ++t, values += hd) {
-      __m256 p[G];
-      for (int g = 0; g < G; ++g) p[g] = _mm256_set1_ps(probs[g * padded + t]);
-      for (int i = 0; i < 4; ++i) {
-        const __m256 v = load8(values + 8 * i);
-        for (int g = 0; g < G; ++g) sums[g][i] = _mm256_fmadd_ps(p[g], v, sums[g][i]);
-      }
-    }
+    for (int64_t t = t0; t < end; ++t, values += hd) add_weighted<G>(sums, probs, padded, t, values);
   }
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < 4; ++i) _mm256_storeu_ps(acc + g * hd + d0 + 8 * i, sums[g][i]);
@@ -142,14 +149,7 @@ inline void weigh_span(const float* probs, int64_t padded, int64_t begin, int64_
   __m256 sums[G][4];
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < 4; ++i) sums[g][i] = _mm256_loadu_ps(acc + g * hd + 8 * i);
-  for (int64_t t = begin; t < end; ++t, values += hd) {
-    __m256 p[G];
-    for (int g = 0; g < G; ++g) p[g] = _mm256_set1_ps(probs[g * padded + t]);
-    for (int i = 0; i < 4; ++i) {
-      const __m256 v = _mm256_loadu_ps(values + 8 * i);
-      for (int g = 0; g < G; ++g) sums[g][i] = _mm256_fmadd_ps(p[g], v, sums[g][i]);
-    }
-  }
+  for (int64_t t = begin; t < end; ++t, values += hd) add_weighted<G>(sums, probs, padded, t, values);
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < 4; ++i) _mm256_storeu_ps(acc + g * hd + 8 * i, sums[g][i]);
 }
