@@ -1,12 +1,15 @@
-// Decode attention over the paged KV cache on CPU: one new token per row, its keys read through the
-// row's block table where they lie, with no gather into a scratch buffer, no padding and no mask.
+// Attention over the paged KV cache on CPU, one query per row: a generated token's, or a prompt
+// token's at its own position (the CPU path attends every token of a step this way, so a prompt's
+// attention never depends on how it was chunked). Each row's keys are read through its block table
+// where they lie, with no gather into a scratch buffer, no padding and no mask.
 //
 // The cache is head-major, [kv_heads, blocks, block_size, head_dim] (attention/paged_cache.py), of
 // float32, bfloat16 or float16 values; 16-bit ones widen to float32 exactly, so the arithmetic is
 // float32's either way and a 16-bit cache only halves the bytes a step reads.
 // Query head h attends with KV head h / (heads / kv_heads), as grouped-query checkpoints expect. Each
-// (row, KV head) is one task (PagedDecode::run). Nothing in a row's arithmetic depends on the
-// other rows or the thread that runs it, so a token's attention is bitwise the same in any batch.
+// (row, KV head), or (tile of a prompt's rows, KV head), is one task (PagedDecode::run). Nothing in a
+// row's arithmetic depends on the other rows or the thread that runs it, so a token's attention is
+// bitwise the same in any batch.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -209,14 +212,13 @@ PagedDecode::PagedDecode(const at::Tensor& q, const at::Tensor& k_cache, const a
   // row reads; by induction it then reads every earlier row's keys where they do, and the tile's last
   // row reads them all. The tiled loops need whole 8-token groups and 32-float output spans.
   const bool tiles = head_dim_ % 32 == 0 && block_size_ % 8 == 0 && kValueSpan % block_size_ == 0;
-  for (int64_t r = 0; r < rows_; ++r) {
-    const int64_t start = tile_starts_.empty() ? -1 : tile_starts_.back();
+  const auto joins_tile_before = [&](int64_t r) {
     const int64_t* before = tables_ + (r - 1) * table_stride_;
-    const bool joins = tiles && r > 0 && r - start < kTileRows && lens_[r] >= lens_[r - 1] &&
-                       std::equal(before, before + (lens_[r - 1] + block_size_ - 1) / block_size_,
-                                  tables_ + r * table_stride_);
-    if (!joins) tile_starts_.push_back(r);
-  }
+    return r - tile_starts_.back() < kTileRows && lens_[r] >= lens_[r - 1] &&
+           std::equal(before, before + (lens_[r - 1] + block_size_ - 1) / block_size_, tables_ + r * table_stride_);
+  };
+  for (int64_t r = 0; r < rows_; ++r)
+    if (!tiles || r == 0 || !joins_tile_before(r)) tile_starts_.push_back(r);
   const int64_t num_tiles = static_cast<int64_t>(tile_starts_.size());
   tile_starts_.push_back(rows_);
   work_per_task_ = std::max<int64_t>(1, keys / std::max<int64_t>(num_tiles, 1) * (heads_ / kv_heads_) * head_dim_ * 2);

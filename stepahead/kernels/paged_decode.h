@@ -27,7 +27,7 @@ class PagedDecode {
   // buffer, grown as needed.
   void run(int64_t task, std::vector<float>& scratch) const;
 
-  // Adds the memory task `task` reads (its row's keys and values for its KV head) to warmer.
+  // Adds the memory task `task` reads (its rows' keys and values for its KV head) to warmer.
   void warm(int64_t task, Warmer& warmer) const;
 
  private:
