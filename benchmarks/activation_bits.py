@@ -20,8 +20,8 @@ import time
 
 import torch
 import torch.nn.functional as F
-
 from quant_quality import prompts
+
 from stepahead.bench.full_forward import greedy_tokens, sequence_logits
 from stepahead.models.loader import load_model, load_model_config, load_tokenizer
 from stepahead.models.quantized_linear import Int4Linear
