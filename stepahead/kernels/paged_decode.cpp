@@ -91,6 +91,22 @@ inline void score_eight(const float* q, int64_t q_stride, const T* const keys[8]
     _mm256_storeu_ps(probs + g * padded + t0, _mm256_mul_ps(sum_lanes8(sums[g]), _mm256_set1_ps(scale)));
 }
 
+// score_eight for all `group` query heads of a row (q: the first head's vector, probs: its row), three
+// at a time: the one order of every path's scores.
+template <typename T>
+inline void score_heads(const float* q, int64_t q_stride, int64_t group, const T* const keys[8], int64_t hd,
+                        float scale, float* probs, int64_t padded, int64_t t0) {
+  for (int64_t g = 0; g < group; g += 3) {
+    const float* qg = q + g * q_stride;
+    float* pg = probs + g * padded;
+    switch (std::min<int64_t>(3, group - g)) {
+      case 3: score_eight<3>(qg, q_stride, keys, hd, scale, pg, padded, t0); break;
+      case 2: score_eight<2>(qg, q_stride, keys, hd, scale, pg, padded, t0); break;
+      default: score_eight<1>(qg, q_stride, keys, hd, scale, pg, padded, t0);
+    }
+  }
+}
+
 // One token's step of the weighted sums: sums[g][i] += probs[g][t] * value[8 i .. 8 i + 7] for the
 // G heads (probs: head g0's row, heads padded apart), value widened once for them. Every path's sums
 // take their steps through here, so they round alike.
@@ -301,15 +317,7 @@ void PagedDecode::run_row(int64_t row, int64_t kv_head, std::vector<float>& scra
         // eight tokens of the block; past len the last key again, its score overwritten below
         const T* keys[8];
         for (int64_t i = 0; i < 8; ++i) keys[i] = block + (std::min(t0 + i, len - 1) - start) * hd;
-        for (int64_t g = 0; g < group; g += 3) {
-          const float* qg = q + g * q_head_stride_;
-          float* pg = probs + g * padded;
-          switch (std::min<int64_t>(3, group - g)) {
-            case 3: score_eight<3>(qg, q_head_stride_, keys, hd, scale_, pg, padded, t0); break;
-            case 2: score_eight<2>(qg, q_head_stride_, keys, hd, scale_, pg, padded, t0); break;
-            default: score_eight<1>(qg, q_head_stride_, keys, hd, scale_, pg, padded, t0);
-          }
-        }
+        score_heads(q, q_head_stride_, group, keys, hd, scale_, probs, padded, t0);
       }
     }
   } else {
@@ -372,16 +380,9 @@ void PagedDecode::run_tile(int64_t first, int64_t end, int64_t kv_head, std::vec
     for (int64_t t0 = start; t0 < std::min(longest, start + block_size_); t0 += 8) {
       for (int64_t i = 0; i < 8; ++i) widen(block + (std::min(t0 + i, longest - 1) - start) * hd, hd, widened + i * hd);
       for (int64_t i = 0; i < n; ++i) {
-        if (t0 >= lens_[first + i]) continue;  // the row's keys ended (past its length within these
-        const float* q = q_of(i);               // eight, its scores are overwritten below, as run_row's are)
-        float* p = probs + i * group * padded;
-        for (int64_t g = 0; g < group; g += 3) {
-          switch (std::min<int64_t>(3, group - g)) {
-            case 3: score_eight<3>(q + g * q_head_stride_, q_head_stride_, keys, hd, scale_, p + g * padded, padded, t0); break;
-            case 2: score_eight<2>(q + g * q_head_stride_, q_head_stride_, keys, hd, scale_, p + g * padded, padded, t0); break;
-            default: score_eight<1>(q + g * q_head_stride_, q_head_stride_, keys, hd, scale_, p + g * padded, padded, t0);
-          }
-        }
+        // past a row's length (within these eight) its scores are overwritten below, as run_row's are
+        if (t0 >= lens_[first + i]) continue;
+        score_heads(q_of(i), q_head_stride_, group, keys, hd, scale_, probs + i * group * padded, padded, t0);
       }
     }
   }
