@@ -1,4 +1,5 @@
-"""The AVX2 4-bit and 8-bit GEMMs (packed_gemm.cpp; built by kernels/cpu_build.py).
+"""The 4-bit and 8-bit GEMMs (packed_gemm.cpp; built by kernels/cpu_build.py): AVX2, with AVX-512
+VNNI's vpdpwssd for the dot products where the CPU has it (the same bits, see instruction_set).
 
 torch's own weight-only int4 kernel multiplies bf16 activations with weights dequantized in floating
 point; this one keeps GGUF's codes and scales per group of 32 (in tiles of eight columns, tile_q4 /
@@ -30,6 +31,13 @@ def kernel_for(group_size: int) -> str:
     """Which kernel a packed linear with this group size runs here: "stepahead" (GGUF's groups of 32,
     kernels built) or "torch"."""
     return "stepahead" if group_size == GROUP and available() else "torch"
+
+
+def instruction_set() -> str:
+    """What the kernels multiply with in this process: "avx512_vnni" (one vpdpwssd per pair of inputs,
+    where the CPU has AVX-512 VNNI) or "avx2" (vpmaddwd then vpaddd); the same bits either way.
+    STEPAHEAD_MAX_CPU_ISA=avx2, set before the first call, keeps "avx2" (A/B runs, tests)."""
+    return _op("packed_gemm_isa")()
 
 
 def int4_gemm(x: torch.Tensor, tiles: torch.Tensor, out_features: int) -> torch.Tensor:

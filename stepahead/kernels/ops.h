@@ -3,6 +3,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <string>
+
 namespace stepahead_cpu {
 
 // y [M, N] = x [M, K] float32 times the 4-bit [N, K] weight  codes * scales + mins  in tiles of eight
@@ -12,6 +14,10 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& tiles, int64_t N);
 // y [M, N] = x [M, K] float32 times the 8-bit [N, K] weight  codes * scales  (GGUF's Q8_0) in tiles of
 // eight columns (packed_gemm.h).
 at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& tiles, int64_t N);
+
+// Which instructions int4_gemm and int8_gemm multiply with here: "avx512_vnni" (vpdpwssd) or "avx2"
+// (vpmaddwd and vpaddd); the same bits either way (packed_gemm.cpp).
+std::string packed_gemm_isa();
 
 // torch's rms_norm over the rows of a contiguous [rows, dim] float32 tensor, bitwise, where torch runs
 // its AVX2 kernels (rms_norm.cpp).

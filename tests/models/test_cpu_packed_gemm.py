@@ -3,6 +3,10 @@ the same arithmetic in float64, a row's result in any batch, and the packed line
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -185,3 +189,34 @@ def test_int8_linear_runs_q8_0_on_the_kernel_and_per_row_codes_on_torchs():
     x = torch.randn(3, 128)
     assert torch.equal(layer(x), cpu_packed.int8_gemm(x, cpu_packed.tile_q8(weight.q, weight.scales), 48))
     assert Int8Linear(quantize_int8_rows(torch.randn(48, 128))).kernel == "torch"  # one scale per row
+
+
+_AVX2_RUN = """
+import sys, torch
+from stepahead.kernels import cpu_packed
+cases = torch.load(sys.argv[1])
+out = [(cpu_packed.int4_gemm if four_bits else cpu_packed.int8_gemm)(x, tiles, n) for four_bits, x, tiles, n in cases]
+torch.save((cpu_packed.instruction_set(), out), sys.argv[2])
+"""
+
+
+def test_vnni_and_avx2_multiply_to_the_same_bits(tmp_path):
+    """vpdpwssd here, vpmaddwd and vpaddd in a process capped at AVX2 (STEPAHEAD_MAX_CPU_ISA): every
+    tile shape (one to four rows, one or two tiles, panels), both formats, the same bits."""
+    if cpu_packed.instruction_set() != "avx512_vnni":
+        pytest.skip("needs a CPU with AVX-512 VNNI, where the kernels multiply with vpdpwssd")
+    q4, q8 = _weight(70, 576), _q8_0(70, 576)
+    cases = []
+    for rows in (1, 2, 3, 4, 5, 7, 9, 175):
+        x = torch.randn(rows, 576) * 3
+        cases.append((True, x, *_args(q4)))
+        cases.append((False, x, cpu_packed.tile_q8(q8.q, q8.scales), 70))
+    torch.save(cases, tmp_path / "cases.pt")
+    env = {**os.environ, "STEPAHEAD_MAX_CPU_ISA": "avx2"}
+    subprocess.run([sys.executable, "-c", _AVX2_RUN, str(tmp_path / "cases.pt"), str(tmp_path / "avx2.pt")],
+                   env=env, check=True, timeout=300)
+    isa, avx2 = torch.load(tmp_path / "avx2.pt")
+    assert isa == "avx2"
+    for (four_bits, x, tiles, n), theirs in zip(cases, avx2, strict=True):
+        ours = (cpu_packed.int4_gemm if four_bits else cpu_packed.int8_gemm)(x, tiles, n)
+        assert torch.equal(ours, theirs), (four_bits, x.shape)
