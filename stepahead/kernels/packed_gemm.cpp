@@ -20,7 +20,7 @@
 // instructions per multiply-add.)
 //
 // Where the CPU has AVX-512 VNNI, one vpdpwssd does a pair's vpmaddwd and vpaddd (still on 256-bit
-// vectors): 1.2x the multiply-adds per cycle on Zen 4, where the adds had bound the loop. The sums are
+// vectors): 1.2-1.3x the multiply-adds per cycle on Zen 4, where the adds had bound the loop. The sums are
 // exact either way, so both paths give the same bits (MaddAdd, Vnni; STEPAHEAD_MAX_CPU_ISA=avx2 keeps the
 // first).
 //
@@ -131,8 +131,8 @@ bool use_vnni() {
 // integer sums sum(q * qx) of each (row, column) build up in int32 lanes (exact: under 2^31; for 4-bit
 // codes under 2^24, so the conversion to float is exact too), then go into the float sums as
 // sum * (scale * dx), plus min * dx * sum(qx) for 4-bit codes, group after group (the float16 scales
-// and mins converted to float32 exactly); A adds each pair's products (MaddAdd, Vnni). Not inlined: each shape gets its own register allocation
-// (inlined into multiply, four-row tiles were ~5% slower).
+// and mins converted to float32 exactly); A adds each pair's products (MaddAdd, Vnni). Not inlined:
+// each shape gets its own register allocation (inlined into multiply, four-row tiles were ~5% slower).
 template <typename F, typename A, int R, int C>
 __attribute__((noinline)) void tile(const QuantizedRows& xq, int64_t row, const PackedWeight& w, const Output& out,
                                     int64_t t) {

@@ -7,8 +7,8 @@
 // the same order, including the order of torch's float sum over a contiguous row on an AVX2 build
 // (ATen's SumKernel.cpp: the row as 8-lane vectors, four accumulators in a cascade of four levels,
 // the vectors' tail into the first, then the four together, then the scalar tail and the eight lanes).
-// The caller uses it only where torch runs its AVX2 kernels (on AVX-512 torch sums 16 lanes at a
-// time), and tests it bitwise against torch.
+// The caller uses it only where a check on the spot finds torch's bits (cpu_ops.rms_norm_is_torchs:
+// the AVX-512 build of torch on Zen 4 sums in this order too), and tests it bitwise against torch.
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty_like.h>
