@@ -19,8 +19,8 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& tiles, int64_t N);
 // (vpmaddwd and vpaddd); the same bits either way (packed_gemm.cpp).
 std::string packed_gemm_isa();
 
-// torch's rms_norm over the rows of a contiguous [rows, dim] float32 tensor, bitwise, where torch runs
-// its AVX2 kernels (rms_norm.cpp).
+// torch's rms_norm over the rows of a contiguous [rows, dim] float32 tensor, bitwise where torch sums
+// in its AVX2 order (rms_norm.cpp).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 
 // Rotate-half rope of x [tokens, heads, head_dim] in place by cos_sin [tokens, 2, head_dim] (rope.cpp).

@@ -20,9 +20,9 @@
 // instructions per multiply-add.)
 //
 // Where the CPU has AVX-512 VNNI, one vpdpwssd does a pair's vpmaddwd and vpaddd (still on 256-bit
-// vectors): 1.2-1.3x the multiply-adds per cycle on Zen 4, where the adds had bound the loop. The sums are
-// exact either way, so both paths give the same bits (MaddAdd, Vnni; STEPAHEAD_MAX_CPU_ISA=avx2 keeps the
-// first).
+// vectors): 1.2-1.3x the multiply-adds per cycle on Zen 4, where the adds had competed with the
+// unpacking for the vector pipes. The sums are exact either way, so both paths give the same bits
+// (MaddAdd, Vnni; STEPAHEAD_MAX_CPU_ISA=avx2 keeps the first).
 //
 // A row's result does not depend on its batch: its quantization uses its own values only, the integer
 // sums are exact, and the float accumulation over groups always runs in the same order, whatever the

@@ -1,5 +1,6 @@
-"""stepahead's AVX2 4-bit kernel (kernels/packed_gemm.cpp), built on this machine: its arithmetic against
-the same arithmetic in float64, a row's result in any batch, and the packed linear's choice of kernel."""
+"""stepahead's 4-bit and 8-bit kernels (kernels/packed_gemm.cpp), built on this machine: their arithmetic
+against the same arithmetic in float64, a row's result in any batch, the AVX2 and VNNI paths' bits, and
+the packed linear's choice of kernel."""
 
 from __future__ import annotations
 
