@@ -311,15 +311,14 @@ void multiply(Team::Member& me, const PackedWeight& w, const QuantizedRows& x, i
   const int64_t panel = std::max<int64_t>(4, kPanelBytes / (2 * w.K) / 4 * 4);
   const int64_t panels = (M + panel - 1) / panel, items = panels * blocks;
   const bool vnni = use_vnni();
+  const auto run_block = w.format == PackedWeight::Format::kQ4 ? (vnni ? block_of<Q4, Vnni> : block_of<Q4, MaddAdd>)
+                                                              : (vnni ? block_of<Q8, Vnni> : block_of<Q8, MaddAdd>);
   me.share(items, claim_size(items, me.members()), [&](int64_t item) {
     const int64_t first = item / blocks * panel, block = item % blocks;
     const int64_t t = block * kTilesPerBlock, count = std::min(kTilesPerBlock, tiles - t);
     const QuantizedRows rows{x.codes + first * x.row_stride, x.scales + first * (x.row_stride / kGroup),
                              x.sums + first * (x.row_stride / kGroup), x.row_stride};
     const Output panel_out{out.y + first * w.N, out.accumulate};
-    const auto run_block = w.format == PackedWeight::Format::kQ4
-                               ? (vnni ? block_of<Q4, Vnni> : block_of<Q4, MaddAdd>)
-                               : (vnni ? block_of<Q8, Vnni> : block_of<Q8, MaddAdd>);
     run_block(w, rows, std::min(panel, M - first), t, count, panel_out, warmer);
   });
 }
