@@ -12,13 +12,9 @@ def make_executor(config: EngineConfig) -> Executor:
         from stepahead.executor.ray_executor import RayExecutor  # ray is imported only when chosen
 
         return RayExecutor(config)
-    if config.parallel_config.world_size > 1:
-        if config.executor != "mp":
-            raise ValueError(f"executor {config.executor!r} runs one worker; tensor/pipeline parallelism needs "
-                             "'mp' or 'ray'")
-        from stepahead.executor.mp_ranks import MultiprocRanksExecutor
-
-        return MultiprocRanksExecutor(config)
+    if config.parallel_config.world_size > 1 and config.executor != "mp":
+        raise ValueError(f"executor {config.executor!r} runs one worker; tensor/pipeline parallelism needs "
+                         "'mp' or 'ray'")
     if config.executor == "uni":
         from stepahead.executor.uni import UniProcExecutor
 

@@ -11,6 +11,8 @@ import pytest
 
 from stepahead import LLM, SamplingParams
 from stepahead.engine.arg_utils import EngineArgs
+from stepahead.executor.abstract import WorkerError
+from stepahead.executor.mp import MultiprocExecutor
 from tests.distributed.conftest import MAX_MODEL_LEN, prompts
 from tests.distributed.procs import wait_gone
 
@@ -33,6 +35,18 @@ def test_killed_rank_fails_requests_and_stops_the_others(tiny_llama, victim):
     finally:
         llm.shutdown()
     assert wait_gone(pids, 10) == []
+
+
+def test_rank_that_fails_to_load_reports_its_error(tiny_model_factory, tmp_path):
+    """Each rank sends its traceback, then exits: the error is read before the exit is noticed."""
+    import shutil
+
+    folder = tmp_path / "broken"
+    shutil.copytree(tiny_model_factory("llama"), folder)
+    config = EngineArgs(model=str(folder), max_model_len=MAX_MODEL_LEN, pipeline_parallel_size=2).create_engine_config()
+    (folder / "model.safetensors").write_bytes(b"not weights")  # breaks after the config was read
+    with pytest.raises(WorkerError, match=r"worker rank \d failed to start: loading the model failed"):
+        MultiprocExecutor(config)
 
 
 @pytest.mark.parametrize("overrides,message", [

@@ -110,7 +110,7 @@ def test_garbage_collection_stops_the_worker(tiny_llama):
 
     llm = LLM(str(tiny_llama), executor="mp", max_model_len=64)
     llm.generate(GOOD, PARAMS, use_tqdm=False)
-    proc = llm._executor._proc
+    proc = llm._executor._procs[0]
     del llm
     gc.collect()
     assert not proc.is_alive() and proc.exitcode == 0
@@ -148,4 +148,4 @@ def test_ctrl_c_aborts_the_call_and_the_engine_lives_on(tiny_llama, ctrl_c_raise
         assert not llm.output_processor.has_unfinished_requests()
         (again,) = llm.generate(GOOD, PARAMS, use_tqdm=False)
         assert again.outputs[0].token_ids == ref.outputs[0].token_ids
-        assert llm._executor._proc.is_alive()
+        assert llm._executor._procs[0].is_alive()

@@ -127,8 +127,8 @@ def test_worker_error_fails_pending_and_later_calls(tiny_llama, kind):
         with pytest.raises(WorkerError):
             executor.check_health()
         if kind == "mp":
-            executor._proc.join(timeout=30)
-            assert not executor._proc.is_alive()
+            executor._procs[0].join(timeout=30)
+            assert not executor._procs[0].is_alive()
     finally:
         executor.shutdown()
 
