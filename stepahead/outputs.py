@@ -56,6 +56,12 @@ class EngineStats:
     num_free_blocks: int = 0
     num_total_blocks: int = 0
     finished_by_reason: dict[str, int] = field(default_factory=dict)
+    device: str = "cpu"  # the worker's device type: "cuda" when gpu_busy_s is device time
+
+    @property
+    def times_device(self) -> bool:
+        """Whether gpu_busy_s is the device's own time (CUDA events) rather than the host time again."""
+        return self.device != "cpu"
 
     @property
     def utilization(self) -> float:

@@ -49,6 +49,7 @@ class RunResult(TokenRates):
     preemptions: int
     stop_finishes: int  # requests finished by EOS or a stop token
     round: int = 0
+    device: str = "cpu"  # on "cpu" gpu_busy_s is the host time, so only host utilization is printed
     events: list[TraceEvent] = field(default_factory=list, repr=False)  # the run's trace, when recorded
 
     @property
@@ -66,8 +67,13 @@ class RunResult(TokenRates):
                        requests_per_s=self.num_requests / self.elapsed_s)
         return figures
 
+    def utilization_text(self, digits: int = 1) -> str:
+        """"host utilization H, GPU utilization G"; on CPU the host figure alone (the two are equal there)."""
+        text = f"host utilization {self.host_utilization:.{digits}%}"
+        return text if self.device == "cpu" else f"{text}, GPU utilization {self.gpu_utilization:.{digits}%}"
+
     def plot_label(self) -> str:
-        return f"{self.label} ({self.output_tok_s:.0f} tok/s, GPU utilization {self.gpu_utilization:.0%})"
+        return f"{self.label} ({self.output_tok_s:.0f} tok/s, {self.utilization_text(0)})"
 
     def line(self) -> str:
         waste = f"wasted request-steps {self.wasted_request_steps}"
@@ -75,8 +81,7 @@ class RunResult(TokenRates):
             waste += f" ({self.wasted_request_steps / self.stop_finishes:.2f} per EOS finish)"
         return (f"[{self.label}] {self.num_requests} requests, {self.prompt_tokens} prompt + {self.output_tokens} "
                 f"output tokens in {self.elapsed_s:.2f} s: output {self.output_tok_s:.1f} tok/s, total "
-                f"{self.total_tok_s:.1f} tok/s | host utilization {self.host_utilization:.1%}, GPU utilization "
-                f"{self.gpu_utilization:.1%}, forward steps "
+                f"{self.total_tok_s:.1f} tok/s | {self.utilization_text()}, forward steps "
                 f"{self.forward_steps}, {waste}, preemptions {self.preemptions}")
 
 
@@ -157,7 +162,7 @@ def run_once(llm, label: str, requests: list[SampleRequest], params, use_tqdm: b
         wasted_request_steps=after.wasted_request_steps - before.wasted_request_steps,
         busy_s=after.busy_s - before.busy_s, gpu_busy_s=after.gpu_busy_s - before.gpu_busy_s, wall_s=after.wall_s - before.wall_s,
         preemptions=after.preemptions - before.preemptions, stop_finishes=stops,
-        round=round_index, events=drain_events(llm),
+        round=round_index, device=after.device, events=drain_events(llm),
     )
 
 
@@ -222,10 +227,12 @@ def run_compare_sync(ns, engine_args: EngineArgs, tracing: bool) -> dict:
     summary["ratios"] = ratios
     summary["rounds_run"] = len(ratios)
     summary["ratio_median"] = statistics.median(ratios)
+    # On CPU the two figures are the same time: the host one alone is printed.
+    side, name = ("host", "host utilization") if runs[0].device == "cpu" else ("gpu", "GPU utilization")
     print(f"median over {len(ratios)} rounds: sync {summary['sync']['output_tok_s_median']:.1f} tok/s "
-          f"(GPU utilization {summary['sync']['gpu_utilization_median']:.1%}), async "
-          f"{summary['async']['output_tok_s_median']:.1f} tok/s (GPU utilization "
-          f"{summary['async']['gpu_utilization_median']:.1%}); async / sync = {summary['ratio_median']:.3f}")
+          f"({name} {summary['sync'][f'{side}_utilization_median']:.1%}), async "
+          f"{summary['async']['output_tok_s_median']:.1f} tok/s ({name} "
+          f"{summary['async'][f'{side}_utilization_median']:.1%}); async / sync = {summary['ratio_median']:.3f}")
     return {"runs": runs, "summary": summary}
 
 

@@ -315,6 +315,7 @@ class EngineCore:
             num_free_blocks=kv.num_free_blocks,
             num_total_blocks=kv.num_usable_blocks,
             finished_by_reason=dict(self._finished_by_reason),
+            device=self.config.device,
         )
 
     def drain_trace_events(self) -> list[TraceEvent]:

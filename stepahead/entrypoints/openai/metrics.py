@@ -137,10 +137,11 @@ async def log_stats_periodically(get_stats: Callable[[], EngineStats], interval_
         if prompt_tokens or generated_tokens or current.num_running or current.num_waiting:
             queries = current.prefix_cache_queries - previous.prefix_cache_queries
             hits = current.prefix_cache_hits - previous.prefix_cache_hits
+            # On CPU the device time is the host time: the line gives the host figure alone there.
+            gpu = f", GPU utilization: {100 * current.gpu_utilization:.1f}%" if current.times_device else ""
             logger.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
                         "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%, "
-                        "Host utilization: %.1f%%, GPU utilization: %.1f%%", prompt_tokens / elapsed_s, generated_tokens / elapsed_s,
+                        "Host utilization: %.1f%%%s", prompt_tokens / elapsed_s, generated_tokens / elapsed_s,
                         current.num_running, current.num_waiting, 100 * current.kv_cache_usage,
-                        100 * hits / queries if queries else 0.0, 100 * current.utilization,
-                        100 * current.gpu_utilization)
+                        100 * hits / queries if queries else 0.0, 100 * current.utilization, gpu)
         previous, previous_time = current, now
