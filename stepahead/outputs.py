@@ -38,6 +38,12 @@ class RequestOutput:
     num_cached_tokens: int = 0
 
 
+def device_time_measured(device: str) -> bool:
+    """Whether a worker on `device` times its steps on the device itself (CUDA events); on CPU the
+    steps' device time is their host time again."""
+    return device != "cpu"
+
+
 @dataclass
 class EngineStats:
     forward_steps: int = 0  # non-empty steps executed by the worker
@@ -61,7 +67,7 @@ class EngineStats:
     @property
     def times_device(self) -> bool:
         """Whether gpu_busy_s is the device's own time (CUDA events) rather than the host time again."""
-        return self.device != "cpu"
+        return device_time_measured(self.device)
 
     @property
     def utilization(self) -> float:

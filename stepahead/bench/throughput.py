@@ -30,7 +30,7 @@ from stepahead.bench.report import (
 )
 from stepahead.bench.trace import by_start
 from stepahead.engine.arg_utils import EngineArgs
-from stepahead.outputs import EngineStats
+from stepahead.outputs import EngineStats, device_time_measured
 from stepahead.tracing import TraceEvent
 
 
@@ -49,7 +49,7 @@ class RunResult(TokenRates):
     preemptions: int
     stop_finishes: int  # requests finished by EOS or a stop token
     round: int = 0
-    device: str = "cpu"  # on "cpu" gpu_busy_s is the host time, so only host utilization is printed
+    device: str = "cpu"  # where gpu_busy_s is the host time again (CPU), only host utilization is printed
     events: list[TraceEvent] = field(default_factory=list, repr=False)  # the run's trace, when recorded
 
     @property
@@ -70,7 +70,9 @@ class RunResult(TokenRates):
     def utilization_text(self, digits: int = 1) -> str:
         """"host utilization H, GPU utilization G"; on CPU the host figure alone (the two are equal there)."""
         text = f"host utilization {self.host_utilization:.{digits}%}"
-        return text if self.device == "cpu" else f"{text}, GPU utilization {self.gpu_utilization:.{digits}%}"
+        if not device_time_measured(self.device):
+            return text
+        return f"{text}, GPU utilization {self.gpu_utilization:.{digits}%}"
 
     def plot_label(self) -> str:
         return f"{self.label} ({self.output_tok_s:.0f} tok/s, {self.utilization_text(0)})"
@@ -228,7 +230,7 @@ def run_compare_sync(ns, engine_args: EngineArgs, tracing: bool) -> dict:
     summary["rounds_run"] = len(ratios)
     summary["ratio_median"] = statistics.median(ratios)
     # On CPU the two figures are the same time: the host one alone is printed.
-    side, name = ("host", "host utilization") if runs[0].device == "cpu" else ("gpu", "GPU utilization")
+    side, name = ("gpu", "GPU utilization") if device_time_measured(runs[0].device) else ("host", "host utilization")
     print(f"median over {len(ratios)} rounds: sync {summary['sync']['output_tok_s_median']:.1f} tok/s "
           f"({name} {summary['sync'][f'{side}_utilization_median']:.1%}), async "
           f"{summary['async']['output_tok_s_median']:.1f} tok/s ({name} "

@@ -23,7 +23,8 @@ import pickle
 import threading
 from collections.abc import Iterable
 from concurrent.futures import Future
-from multiprocessing.connection import wait
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from stepahead.config import EngineConfig
@@ -44,6 +45,16 @@ _SHUTDOWN_GRACE_S = 5.0
 _KILL_GRACE_S = 2.0  # a surviving rank of a failed world gets this long after SIGTERM
 
 
+@dataclass(frozen=True)
+class _Watched:
+    """What the executor waits on for some ranks: their result pipes and process sentinels, each
+    mapped to its rank, and both as the one list multiprocessing's wait takes."""
+
+    conns: dict[Connection, int]
+    sentinels: dict[int, int]
+    objects: list
+
+
 class MultiprocExecutor(SubmittingExecutor):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__()
@@ -53,7 +64,7 @@ class MultiprocExecutor(SubmittingExecutor):
         self.sampler_rank = p.sampler_rank
         lone = self.world_size == 1
         # A lone worker gets all cores: its OpenMP threads wait passively (spawn.WORKER_OMP_ENV).
-        # Ranks share the cores, so each leaves one to the engine, as before parallelism had a say.
+        # Ranks share the cores: each leaves one to the engine, and keeps OpenMP's default waiting.
         self.num_threads = config.num_threads or default_worker_threads(config.device,
                                                                         lone and worker_waits_passively())
         spawn = multiprocessing.get_context("spawn")
@@ -117,7 +128,7 @@ class MultiprocExecutor(SubmittingExecutor):
     def _submit(self, method: str, arg: Any) -> Future:
         # Ranks get the bytes of one pickling. A lone worker gets Connection.send's pickling, whose
         # reducers may pass a tensor by shared memory: a handle only one receiver can take.
-        message = None if len(self._calls) == 1 else pickle.dumps((method, arg), protocol=pickle.HIGHEST_PROTOCOL)
+        message = None if self.world_size == 1 else pickle.dumps((method, arg), protocol=pickle.HIGHEST_PROTOCOL)
         # _send_lock keeps calls in the order of their futures. The send itself holds no lock of
         # PendingCalls: a call larger than the pipe buffer blocks until the worker reads it, and the
         # reader thread must meanwhile be free to resolve results from the other pipe.
@@ -144,21 +155,24 @@ class MultiprocExecutor(SubmittingExecutor):
         except (EOFError, OSError):
             return "died", None
 
-    def _next_messages(self, ranks: Iterable[int]) -> list[tuple[int, str, Any]]:
-        """Wait for news from these ranks: one message from each rank whose pipe has one, else
-        (rank, "died", None) for each whose process ended. Pipes come first, so what a rank sent
-        before dying (its error, its last outputs) is read before its death is noticed."""
+    def _watch(self, ranks: Iterable[int]) -> _Watched:
         conns = {self._results[r]: r for r in ranks}
         sentinels = {self._procs[r].sentinel: r for r in ranks}
-        ready = wait([*conns, *sentinels])
-        mail = [(conns[c], *self._recv(conns[c])) for c in ready if c in conns]
-        return mail or [(sentinels[s], "died", None) for s in ready]
+        return _Watched(conns, sentinels, [*conns, *sentinels])
+
+    def _next_messages(self, watched: _Watched) -> list[tuple[int, str, Any]]:
+        """Wait for news from the watched ranks: one message from each rank whose pipe has one, else
+        (rank, "died", None) for each whose process ended. Pipes come first, so what a rank sent
+        before dying (its error, its last outputs) is read before its death is noticed."""
+        ready = wait(watched.objects)
+        mail = [(watched.conns[c], *self._recv(watched.conns[c])) for c in ready if c in watched.conns]
+        return mail or [(watched.sentinels[s], "died", None) for s in ready]
 
     def _wait_ready(self) -> None:
         waiting = set(range(self.world_size))
         blocks: dict[int, int] = {}
         while waiting:
-            for rank, kind, payload in self._next_messages(waiting):
+            for rank, kind, payload in self._next_messages(self._watch(waiting)):
                 if kind == "ready":
                     blocks[rank] = payload
                     waiting.discard(rank)
@@ -174,9 +188,10 @@ class MultiprocExecutor(SubmittingExecutor):
         self.num_kv_blocks = blocks[self.sampler_rank]
 
     def _read_results(self) -> None:
+        watched = self._watch(range(self.world_size))  # built once: this loop runs every step
         rank_events: list = []
         while True:
-            for rank, kind, payload in self._next_messages(range(self.world_size)):
+            for rank, kind, payload in self._next_messages(watched):
                 if kind == "trace":  # another stage's events ride on the sampler's next output
                     rank_events.extend(payload)
                     continue
