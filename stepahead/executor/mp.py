@@ -136,16 +136,19 @@ class MultiprocExecutor(SubmittingExecutor):
             fut = self._pending.add()
             if fut.done():
                 return fut
-            try:
-                if message is None:
-                    self._calls[0].send((method, arg))
-                else:
-                    for conn in self._calls:
+            for rank, conn in enumerate(self._calls):
+                try:
+                    if message is None:
+                        conn.send((method, arg))
+                    else:
                         conn.send_bytes(message)
+                except (OSError, ValueError) as e:  # broken pipe: this worker is gone
+                    failed = rank
+                    err = WorkerError(f"{self._worker_name(rank)} is gone (sending {method} failed: {e!r})")
+                    break
+            else:
                 return fut
-            except (OSError, ValueError) as e:  # broken pipe: a worker is gone
-                err = WorkerError(f"a stepahead worker process is gone (sending {method} failed: {e!r})")
-        self._fail(err)
+        self._fail(err, failed)
         return fut
 
     def _recv(self, rank: int) -> tuple[str, Any]:
@@ -204,21 +207,26 @@ class MultiprocExecutor(SubmittingExecutor):
                     self._pending.resolve_oldest(payload)
                     continue
                 if kind == "error":
-                    self._fail(WorkerError(f"{self._worker_name(rank)} failed: {payload}"))
+                    self._fail(WorkerError(f"{self._worker_name(rank)} failed: {payload}"), rank)
                     return
                 if self._pending.closed:  # a pipe closed or a process ended after shutdown()
                     return
                 self._procs[rank].join(timeout=_KILL_GRACE_S)
-                self._fail(WorkerError(self._death_message(rank)))
+                self._fail(WorkerError(self._death_message(rank)), rank)
                 return
 
-    def _fail(self, error: WorkerError) -> None:
-        """Fail every pending call, stop every rank (the survivors would wait in a collective), notify."""
+    def _fail(self, error: WorkerError, failed_rank: int) -> None:
+        """Fail every pending call, stop the other ranks (they would wait in a collective), notify.
+
+        The failed rank itself is left alone: it exits after reporting its error, or is gone already.
+        Joining it here too would race a caller's own join (two threads reaping one process: the
+        loser of multiprocessing's waitpid may see it as still running)."""
         self._pending.fail(error)
-        for proc in self._procs:
+        others = [proc for rank, proc in enumerate(self._procs) if rank != failed_rank]
+        for proc in others:
             if proc.is_alive():
                 proc.terminate()
-        for proc in self._procs:
+        for proc in others:
             stop_process(proc, _KILL_GRACE_S, _KILL_GRACE_S)
         self._notify_failure(self._pending.error or error)
 
