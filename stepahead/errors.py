@@ -18,3 +18,7 @@ class EngineDeadError(StepaheadError, RuntimeError):
     def __init__(self, message: str, outputs: list | None = None) -> None:
         super().__init__(message)
         self.outputs = outputs or []
+
+
+class EngineShutdownError(StepaheadError, RuntimeError):
+    """The engine was shut down while a request still ran (the server answers 503, not 500)."""

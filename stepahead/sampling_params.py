@@ -2,21 +2,30 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from stepahead.validation import InvalidInputError, check_field
+from stepahead.grammar_bounds import check_spec_chars, json_schema_text
+from stepahead.validation import InvalidInputError, check_field, shorten
+
+logger = logging.getLogger(__name__)
 
 MAX_LOGPROBS = 20
+# Below this a temperature is greedy; up to _MIN_TEMPERATURE it is raised to that: dividing logits by a
+# smaller one overflows to inf and the softmax to NaN (vLLM's two thresholds).
+SAMPLING_EPS = 1e-5
+_MIN_TEMPERATURE = 1e-2
 
 
 @dataclass
 class StructuredOutputsParams:
     """A grammar constraint (vLLM's spellings); exactly one of the fields is set.
 
-    json: a JSON schema (dict or its text); regex: a regular expression the whole output matches;
-    choice: the output is one of these strings; grammar: an EBNF/GBNF grammar whose rule `root` the
-    output matches; json_object: any JSON object.
+    json: a JSON schema (dict or its text; kept as text once its size and depth are checked, see
+    grammar_bounds); regex: a regular expression the whole output matches; choice: the output is one
+    of these strings; grammar: an EBNF/GBNF grammar whose rule `root` the output matches;
+    json_object: any JSON object.
     """
 
     json: dict[str, Any] | str | None = None
@@ -36,9 +45,17 @@ class StructuredOutputsParams:
             )
         if self.choice is not None and not (self.choice and all(isinstance(c, str) and c for c in self.choice)):
             raise InvalidInputError(
-                f"structured_outputs: choice must be a non-empty list of non-empty strings, got {self.choice!r}",
+                "structured_outputs: choice must be a non-empty list of non-empty strings, got "
+                f"{shorten(repr(self.choice))}",
                 param="structured_outputs",
             )
+        if self.json is not None:
+            self.json = json_schema_text(self.json)
+        for what, text in (("regex", self.regex), ("grammar", self.grammar)):
+            if text is not None:
+                check_spec_chars(len(text), what)
+        if self.choice is not None:
+            check_spec_chars(sum(len(c) for c in self.choice), "choice list")
 
     @property
     def kind(self) -> str:
@@ -77,6 +94,12 @@ class SamplingParams:
             self.top_k = 0
         check_field(self.n >= 1, "n", self.n, "must be >= 1")
         check_field(self.temperature >= 0.0, "temperature", self.temperature, "must be >= 0")
+        if self.temperature < SAMPLING_EPS:
+            self.temperature = 0.0
+        elif self.temperature < _MIN_TEMPERATURE:
+            logger.warning("temperature %s is below %s, where logits overflow; using %s",
+                           self.temperature, _MIN_TEMPERATURE, _MIN_TEMPERATURE)
+            self.temperature = _MIN_TEMPERATURE
         check_field(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]")
         check_field(self.top_k >= 0, "top_k", self.top_k, "must be -1 (off), 0 (off) or a positive integer")
         check_field(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "must be in [0, 1]")

@@ -17,6 +17,17 @@ class InvalidInputError(StepaheadError, ValueError):
         self.param = param
 
 
+# A message quotes at most this much of the value it refuses: the input can be megabytes.
+MAX_QUOTED_CHARS = 200
+
+
+def shorten(text: str, limit: int = MAX_QUOTED_CHARS) -> str:
+    """text, or its first `limit` characters and how long it was."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"
+
+
 def check_field(ok: bool, name: str, value: object, rule: str) -> None:
     if not ok:
-        raise InvalidInputError(f"{name} {rule}, got {value!r}", param=name)
+        raise InvalidInputError(f"{name} {rule}, got {shorten(repr(value))}", param=name)

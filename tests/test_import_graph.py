@@ -24,7 +24,7 @@ LOWEST = 0
 LAYERS: dict[str, int] = {
     # Top-level modules: plain data and helpers that everything may use.
     **{name: LOWEST for name in ("config", "request", "sampling_params", "outputs", "validation", "utils",
-                                 "errors", "tracing", "mkl_env")},
+                                 "errors", "tracing", "mkl_env", "grammar_bounds")},
     "core": 1,
     "worker": 2,
     "models": 2,

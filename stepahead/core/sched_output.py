@@ -88,6 +88,9 @@ class ModelRunnerOutput:
     busy_s: float = 0.0
     gpu_busy_s: float = 0.0
     trace_events: list[TraceEvent] = field(default_factory=list)
+    # Requests whose sampling failed this step, with the reason: they fail alone (their entry in
+    # sampled_token_ids is a stand-in, never delivered).
+    failed: dict[str, str] = field(default_factory=dict)
 
     @staticmethod
     def empty() -> ModelRunnerOutput:

@@ -326,6 +326,7 @@ class Scheduler:
         stopped_running: list[Request] = []
         stopped_preempted: list[Request] = []
         grammar_manager = self.structured_output_manager
+        failed = model_runner_output.failed
         for rid, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             if self._discard_finished_in_flight(rid, num_scheduled):
                 continue
@@ -340,6 +341,8 @@ class Scheduler:
                 assert req.num_stale_output_tokens >= 0, req
             if is_stale and req.drop_stale_output:
                 continue
+            if rid in failed:
+                continue  # failed below, after the loop
             row = row_of.get(rid)
             sampled = sampled_rows[row] if row is not None else ()
             if not sampled:
@@ -348,8 +351,9 @@ class Scheduler:
             is_first_output = req.num_output_tokens == 0
             new_ids, stopped = self._update_request_with_output(req, list(sampled), is_stale)
             if new_ids and grammar_manager is not None and req.use_structured_output and not req.is_finished():
-                if not grammar_manager.accept_tokens(req, new_ids):
-                    req.stop_reason = f"the grammar rejected sampled tokens {new_ids}"
+                error = self._grammar_accept(req, new_ids)
+                if error is not None:
+                    req.stop_reason = error
                     logger.error("request %s: %s", rid, req.stop_reason)
                     req.status = RequestStatus.FINISHED_ERROR
                     stopped = True
@@ -374,9 +378,20 @@ class Scheduler:
             self.running = [r for r in self.running if id(r) not in gone]
         for req in stopped_preempted:
             self._remove_from_waiting(req)
+        for rid, reason in failed.items():
+            self.fail_request(rid, reason)
         if self.debug_invariants:
             check_scheduler(self, list(self._debug_in_flight))
         return outputs
+
+    def _grammar_accept(self, req: Request, new_ids: list[int]) -> str | None:
+        """Advance the request's grammar; why it failed (a rejected token, a matcher error), or None."""
+        try:
+            if self.structured_output_manager.accept_tokens(req, new_ids):
+                return None
+            return f"the grammar rejected sampled tokens {new_ids}"
+        except Exception as e:  # noqa: BLE001 - one request's grammar fails that request alone
+            return f"the grammar matcher failed: {e!r}"
 
     def _discard_finished_in_flight(self, rid: str, num_tokens: int) -> bool:
         """True for a step computed for a request that had already finished: its output is wasted."""
@@ -495,4 +510,16 @@ class Scheduler:
                 if (r := self.requests.get(rid)) is not None and r.use_structured_output and not r.is_prefill_chunk]
         if not reqs:
             return None
-        return GrammarOutput([r.request_id for r in reqs], self.structured_output_manager.grammar_bitmask(reqs))
+        bitmask, failed = self.structured_output_manager.grammar_bitmask(reqs)
+        for rid, reason in failed.items():
+            self.fail_request(rid, reason)
+        return GrammarOutput([r.request_id for r in reqs], bitmask)
+
+    def fail_request(self, request_id: str, reason: str) -> None:
+        """Finish one request with "error" and its reason (handed out by take_error_outputs); a step
+        in flight for it is discarded as for an abort. The other requests go on."""
+        if request_id not in self.requests:
+            return
+        logger.error("request %s failed: %s", request_id, reason)
+        self.finish_requests([request_id], RequestStatus.FINISHED_ERROR)
+        self.error_outputs.append(EngineCoreOutput(request_id, [], "error", reason))

@@ -44,7 +44,7 @@ from stepahead.engine.messages import (
     Shutdown,
 )
 from stepahead.engine.output_processor import OutputProcessor, RequestOutputKind
-from stepahead.errors import EngineDeadError
+from stepahead.errors import EngineDeadError, EngineShutdownError
 from stepahead.executor.spawn import main_module_hidden, stop_process
 from stepahead.outputs import EngineStats, RequestOutput
 from stepahead.sampling_params import SamplingParams
@@ -54,6 +54,7 @@ logger = logging.getLogger("stepahead.engine.async_llm")
 
 _POLL_MS = 500  # how often the output loop checks that the engine process is alive
 _SHUTDOWN_GRACE_S = 10.0
+_SOCKET_CONNECT_WAIT_MS = 5000  # after "ready", for the input socket to connect (zmq retries every 100 ms)
 
 
 @dataclass
@@ -129,7 +130,8 @@ class AsyncLLM:
         self._input.setsockopt(zmq.SNDHWM, 0)
         self._input.setsockopt(zmq.LINGER, 0)
         # Connecting (not binding) makes the pipe exist at once: sends queue until the engine binds,
-        # instead of failing with EAGAIN while no peer is attached.
+        # instead of failing with EAGAIN while no peer is attached. The monitor says when it has.
+        self._input_connected = self._input.get_monitor_socket(zmq.EVENT_CONNECTED)
         self._input.connect(input_addr)
         self._async_ctx = zmq.asyncio.Context()
         self._output = self._async_ctx.socket(zmq.PULL)
@@ -163,6 +165,7 @@ class AsyncLLM:
                 msg = self._codec.decode_output(await self._output.recv())
                 if isinstance(msg, EngineReady):
                     self.engine_pid, self.worker_pid, self._stats = msg.pid, msg.worker_pid, msg.stats
+                    self._remove_socket_files()
                     break
                 if isinstance(msg, EngineFailed):
                     self._proc.join(timeout=_SHUTDOWN_GRACE_S)
@@ -172,6 +175,17 @@ class AsyncLLM:
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"The engine process did not become ready within {timeout_s} s")
         self._output_task = asyncio.get_running_loop().create_task(self._output_loop(), name="stepahead-outputs")
+
+    def _remove_socket_files(self) -> None:
+        """Both connections are made once the engine is ready and the input socket has connected;
+        the socket files are never needed again. Removing them now means no exit path (a kill -9
+        included) leaves them behind. The engine bound its input just before it said ready, so the
+        connection follows within a reconnect interval."""
+        connected = self._input_connected.poll(_SOCKET_CONNECT_WAIT_MS)
+        self._input.disable_monitor()
+        self._input_connected.close()
+        if connected:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
 
     # -- requests ----------------------------------------------------------------------------------
 
@@ -334,7 +348,7 @@ class AsyncLLM:
         if self.is_dead:
             raise EngineDeadError(self.dead_reason)
         if self._closed:
-            raise RuntimeError("The engine has been shut down")
+            raise EngineShutdownError("The engine has been shut down")
 
     def _send(self, msg) -> None:
         if self._closed:
@@ -364,7 +378,8 @@ class AsyncLLM:
             with contextlib.suppress(zmq.ZMQError):
                 self._input.send(self._codec.encode(Shutdown()), flags=zmq.NOBLOCK)
         self._closed = True
-        closed = RuntimeError("The engine was shut down")
+        shutil.rmtree(self._tmpdir, ignore_errors=True)  # first: a signal may end this process any time now
+        closed = EngineShutdownError("The engine was shut down")
         for stream in {id(stream): stream for stream in self._streams.values()}.values():
             stream.queue.put_nowait(closed)
         self._streams.clear()
@@ -376,9 +391,8 @@ class AsyncLLM:
         self._output.close()
         self._sync_ctx.term()
         self._async_ctx.term()
-        shutil.rmtree(self._tmpdir, ignore_errors=True)
 
 
 def _cleanup(proc: multiprocessing.process.BaseProcess, tmpdir: str) -> None:
-    stop_process(proc, 0.0, _SHUTDOWN_GRACE_S)
     shutil.rmtree(tmpdir, ignore_errors=True)
+    stop_process(proc, 0.0, _SHUTDOWN_GRACE_S)

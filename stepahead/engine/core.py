@@ -282,7 +282,8 @@ class EngineCore:
         if self._work_since is not None:
             self._wall_s += time.monotonic() - self._work_since
             self._work_since = None
-        return EngineDeadError(self._dead, [EngineCoreOutput(rid, [], "error") for rid in ids])
+        # Every request in flight carries the cause, not only the requests that come later.
+        return EngineDeadError(self._dead, [EngineCoreOutput(rid, [], "error", self._dead) for rid in ids])
 
     def _check_alive(self) -> None:
         if self._dead is not None:

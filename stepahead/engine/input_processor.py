@@ -52,6 +52,9 @@ class InputProcessor:
         # The embedding table may be padded past the tokenizer; any id the model can embed is valid.
         self.vocab_size = model_config.vocab_size
 
+    def check_structured_outputs(self, params: SamplingParams) -> None:
+        check_structured_outputs(params, self.structured_outputs_backend)
+
     def tokenize(self, prompt: PromptType) -> tuple[list[int], str | None]:
         """Token ids and text of a prompt (text is None when only ids were given)."""
         if isinstance(prompt, str):
@@ -100,7 +103,7 @@ class InputProcessor:
         return children, text
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        check_structured_outputs(params, self.structured_outputs_backend)
+        self.check_structured_outputs(params)
         if not prompt_ids:
             raise InvalidInputError("prompt must not be empty (it has 0 tokens)", param="prompt")
         out_of_vocab = [token_id for token_id in prompt_ids if not 0 <= token_id < self.vocab_size]

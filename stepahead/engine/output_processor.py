@@ -2,12 +2,14 @@
 
 Runs in the frontend (the LLM's process, or the API server), never in the engine's hot loop.
 Stop strings are found here, on text; the engine, which only sees token ids, is then told to abort the
-request, and whatever it still sends for it is dropped here.
+request, and whatever it still sends for it is dropped here. A request whose output cannot be processed
+(its detokenization raises) is finished the same way, with "error" and the reason.
 """
 
 from __future__ import annotations
 
 import enum
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +18,8 @@ from stepahead.outputs import CompletionOutput, Logprob, RequestOutput
 from stepahead.request import Request
 from stepahead.sampling_params import SamplingParams
 from stepahead.validation import InvalidInputError
+
+logger = logging.getLogger(__name__)
 
 # Prompt tokens decoded in front of the first output token, so that a leading space or a
 # multi-byte character that started in the prompt comes out right.
@@ -177,7 +181,7 @@ class OutputProcessor:
             parent, child = owner
             if output.num_cached_tokens:
                 parent.num_cached_tokens = output.num_cached_tokens
-            if self._update_child(child, output):
+            if self._update_child_or_fail(child, output):
                 to_abort.append(child.engine_id)
             if child.finished:
                 del self._children[child.engine_id]
@@ -194,6 +198,16 @@ class OutputProcessor:
         return results, to_abort
 
     # -- per child --------------------------------------------------------------------------------
+
+    def _update_child_or_fail(self, child: _Completion, output: EngineCoreOutput) -> bool:
+        """_update_child; if detokenizing (or anything else here) raises, this child alone finishes
+        with "error" and the reason, and the engine is told to stop it."""
+        try:
+            return self._update_child(child, output)
+        except Exception as e:  # noqa: BLE001 - one request's output fails that request alone
+            logger.error("request %s: processing its output failed: %r", child.engine_id, e)
+            child.finish_reason, child.stop_reason = "error", f"processing the output failed: {e!r}"
+            return not output.finished
 
     def _update_child(self, child: _Completion, output: EngineCoreOutput) -> bool:
         """Apply one step's news; True when a stop string finished a request the engine still runs."""

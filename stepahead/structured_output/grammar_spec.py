@@ -1,9 +1,15 @@
 """A request's constraint as the compiler sees it (a hashable GrammarSpec), and the check made when
 the request arrives, so a bad schema, regex or grammar is a ValueError (a 400 on the server) with the
-compiler's own message before anything is queued."""
+compiler's own message before anything is queued.
+
+The check parses the spec (milliseconds for specs within grammar_bounds' limits); it is remembered
+per spec, so the API server can run it on a worker thread under a time limit and the engine's own
+call on the same spec is a lookup.
+"""
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass
@@ -27,8 +33,7 @@ class GrammarSpec:
 def grammar_spec(params: StructuredOutputsParams) -> GrammarSpec:
     kind = params.kind
     if kind == "json":
-        schema = params.json
-        return GrammarSpec("json", schema if isinstance(schema, str) else json.dumps(schema, ensure_ascii=False))
+        return GrammarSpec("json", params.json)  # text: StructuredOutputsParams keeps a schema as its text
     if kind == "json_object":
         return GrammarSpec("json_object", "")
     if kind == "regex":
@@ -50,10 +55,16 @@ _WHAT = {"json": "JSON schema", "regex": "regex", "grammar": "grammar"}
 
 
 def validate_structured_outputs(params: StructuredOutputsParams) -> GrammarSpec:
-    """Parse the constraint (no vocabulary needed: milliseconds); InvalidInputError names what is wrong."""
+    """Parse the constraint (no vocabulary needed); InvalidInputError names what is wrong."""
+    spec = grammar_spec(params)
+    _parse(spec)
+    return spec
+
+
+@functools.lru_cache(maxsize=256)  # only successes are remembered: a raise is not cached
+def _parse(spec: GrammarSpec) -> None:
     import xgrammar as xgr  # imported on the first constrained request: it takes a second
 
-    spec = grammar_spec(params)
     try:
         if spec.kind == "json":
             json.loads(spec.text)
@@ -65,4 +76,3 @@ def validate_structured_outputs(params: StructuredOutputsParams) -> GrammarSpec:
     except (RuntimeError, ValueError) as e:  # json.JSONDecodeError is a ValueError
         raise InvalidInputError(f"invalid {_WHAT[spec.kind]} in structured_outputs: {compiler_message(e)}",
                                 param="structured_outputs") from e
-    return spec

@@ -6,11 +6,15 @@ only with tokens that became the request's output (update_from_output hands it e
 its state always equals the output so far: a preempted request resumes with its matcher as it was,
 stale output is accepted when delivered and dropped output never reaches it. Nothing is ever
 accepted ahead of the output, so nothing needs rolling back.
+
+A failure is the request's own: a compile that fails or outlasts MAX_COMPILE_S, or a matcher that
+raises, fails that request with the reason, and the others go on.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent import futures
@@ -25,6 +29,9 @@ from stepahead.structured_output.compiler import GrammarCompiler
 from stepahead.structured_output.grammar_spec import GrammarSpec, compiler_message, grammar_spec
 
 MAX_CACHED_GRAMMARS = 128
+# A request whose grammar has not compiled this long after it arrived fails (the compile itself cannot
+# be stopped; grammar_bounds keeps specs small enough that this is a backstop).
+MAX_COMPILE_S = 60.0
 
 
 @dataclass
@@ -32,6 +39,7 @@ class RequestGrammar:
     """One request's grammar: its compile (shared by requests with an equal spec) and its matcher."""
 
     compiled: Future
+    deadline: float  # time.monotonic() by which the compile must have finished
     matcher: Any = None  # xgrammar GrammarMatcher, made on first use
     num_accepted_tokens: int = 0
 
@@ -66,11 +74,13 @@ class StructuredOutputManager:
             while len(self._cache) > MAX_CACHED_GRAMMARS:
                 self._cache.popitem(last=False)
         self._cache.move_to_end(spec)
-        request.structured_output = RequestGrammar(future)
+        request.structured_output = RequestGrammar(future, time.monotonic() + MAX_COMPILE_S)
 
     @staticmethod
     def is_ready(request: Request) -> bool:
-        return request.structured_output.compiled.done()
+        """Compiled, failed, or out of time (compile_error says which)."""
+        grammar = request.structured_output
+        return grammar.compiled.done() or time.monotonic() > grammar.deadline
 
     @staticmethod
     def wait_for_any(requests: list[Request], timeout: float) -> None:
@@ -78,8 +88,11 @@ class StructuredOutputManager:
 
     @staticmethod
     def compile_error(request: Request) -> str | None:
-        """Why a finished compile failed, or None."""
-        error = request.structured_output.compiled.exception()
+        """Why a compile failed or is out of time, or None once it has succeeded."""
+        compiled = request.structured_output.compiled
+        if not compiled.done():
+            return f"the grammar did not compile within {MAX_COMPILE_S:g} s (the compile time limit)"
+        error = compiled.exception()
         return None if error is None else f"grammar failed to compile: {compiler_message(error)}"
 
     # -- matching -------------------------------------------------------------------------------
@@ -108,21 +121,45 @@ class StructuredOutputManager:
         matcher = request.structured_output.matcher
         return matcher is not None and matcher.is_terminated()
 
-    def grammar_bitmask(self, requests: list[Request]) -> np.ndarray:
-        """int32 [len(requests), ceil(vocab/32)]: bit j of word w of row i allows token 32*w + j for requests[i]."""
+    def grammar_bitmask(self, requests: list[Request]) -> tuple[np.ndarray, dict[str, str]]:
+        """int32 [len(requests), ceil(vocab/32)]: bit j of word w of row i allows token 32*w + j for
+        requests[i]; and {request id: reason} for the requests whose matcher failed (their rows allow
+        everything: the caller fails those requests, so nothing sampled for them is ever delivered)."""
         import torch
-        import xgrammar as xgr
 
         bitmask = torch.full((len(requests), self.num_words), -1, dtype=torch.int32)
-        matchers = [self._matcher(r.structured_output) for r in requests]
-        live = [i for i, m in enumerate(matchers) if not m.is_terminated()]  # a terminated one has finished
+        failed: dict[str, str] = {}
+        live: list[int] = []
+        matchers: list[Any] = []
+        for i, request in enumerate(requests):
+            try:
+                matcher = self._matcher(request.structured_output)
+                if not matcher.is_terminated():  # a terminated one has finished
+                    live.append(i)
+                matchers.append(matcher)
+            except Exception as e:  # noqa: BLE001 - one request's grammar fails that request alone
+                failed[request.request_id] = f"the grammar matcher failed: {e!r}"
+                matchers.append(None)
+        try:
+            self._fill(bitmask, matchers, live)
+        except Exception:  # noqa: BLE001 - find the matcher at fault, one at a time
+            for i in live:
+                try:
+                    matchers[i].fill_next_token_bitmask(bitmask, i)
+                except Exception as e:  # noqa: BLE001
+                    bitmask[i] = -1
+                    failed[requests[i].request_id] = f"the grammar matcher failed: {e!r}"
+        return bitmask.numpy(), failed
+
+    def _fill(self, bitmask: Any, matchers: list[Any], live: list[int]) -> None:
         if len(live) == 1:
             matchers[live[0]].fill_next_token_bitmask(bitmask, live[0])
         elif live:
             if self._batch_matcher is None:
+                import xgrammar as xgr
+
                 self._batch_matcher = xgr.BatchGrammarMatcher(self._fill_threads)
             self._batch_matcher.batch_fill_next_token_bitmask([matchers[i] for i in live], bitmask, live)
-        return bitmask.numpy()
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -36,6 +36,7 @@ from stepahead.worker import kv_memory
 from stepahead.worker.async_output import AsyncModelRunnerOutput, copy_to_host
 from stepahead.worker.cuda_graphs import DecodeBatch, DecodeGraphs
 from stepahead.worker.request_state import CachedRequestState
+from stepahead.worker.row_failures import RowsApart, sample_rows_apart
 from stepahead.worker.sampled_feed import SampledTokenFeed
 from stepahead.worker.sampler import SamplerOutput, apply_bitmask, logprobs_to_host, sample
 from stepahead.worker.sampling_metadata import RowSampling, SamplingMetadata
@@ -456,20 +457,25 @@ class ModelRunner:
                 step.events.append(TraceEvent("apply_bitmask", "worker", t_mask, time.monotonic(),
                                               {"step": step.step_id,
                                                "reqs": len(grammar_output.structured_output_request_ids)}))
-        metadata = SamplingMetadata.from_rows(rows, logits.shape[1], logits.device) if rows else None
-        if metadata is not None:
-            sampled = sample(logits, metadata)
-        else:
-            sampled = SamplerOutput(torch.empty(0, dtype=torch.long, device=self.device))
+        apart = None
+        try:
+            metadata = SamplingMetadata.from_rows(rows, logits.shape[1], logits.device) if rows else None
+            if metadata is not None:
+                sampled = sample(logits, metadata)
+            else:
+                sampled = SamplerOutput(torch.empty(0, dtype=torch.long, device=self.device))
+        except Exception as e:  # noqa: BLE001 - a row's failure fails its request, not the step
+            apart = sample_rows_apart(logits, rows, e)
+            metadata, sampled = None, SamplerOutput(torch.tensor(apart.token_ids, dtype=torch.long, device=self.device))
         self.prev_sampled_token_ids = sampled.sampled_token_ids
         if self.feed is not None:
             self.feed.send(sampled.sampled_token_ids)
         self.prev_req_id_to_row = {step.req_ids[b]: i for i, b in enumerate(step.sample_rows)}
-        if not self.async_output:
+        if not self.async_output or apart is not None:
             ids = sampled.sampled_token_ids.tolist()
             for state, token in zip(states, ids, strict=True):
                 state.token_ids.append(token)
-            out = self._build_output(step, metadata, t0, time.monotonic(), ids, sampled)
+            out = self._build_output(step, metadata, t0, time.monotonic(), ids, sampled, apart)
             if step.gpu_start is not None:
                 out.gpu_busy_s = self._gpu_busy_s(step.gpu_start)
             return out
@@ -498,10 +504,13 @@ class ModelRunner:
         return gpu_start.elapsed_time(end) / 1000.0
 
     def _build_output(self, step: _StepState, metadata: SamplingMetadata | None, t0: float, t1: float,
-                      ids: list[int], host: SamplerOutput) -> ModelRunnerOutput:
-        """The step's ModelRunnerOutput from its sampled ids and logprob tensors, both on the host."""
+                      ids: list[int], host: SamplerOutput, apart: RowsApart | None = None) -> ModelRunnerOutput:
+        """The step's ModelRunnerOutput from its sampled ids and logprob tensors, both on the host
+        (or, when the batch's sampling failed, from its rows sampled one at a time)."""
         row_logprobs = {}
-        if metadata is not None and metadata.max_num_logprobs is not None:
+        if apart is not None:
+            row_logprobs = apart.logprobs
+        elif metadata is not None and metadata.max_num_logprobs is not None:
             row_logprobs = logprobs_to_host(host, metadata, ids)
         sampled_token_ids: list[list[int]] = [[] for _ in step.req_ids]
         logprobs = {}
@@ -512,6 +521,8 @@ class ModelRunner:
         # On CPU the host does the device's work: its time is the device time too (CUDA overrides it).
         busy_s = t1 - step.t_start
         out = ModelRunnerOutput(step.req_ids, sampled_token_ids, logprobs, busy_s=busy_s, gpu_busy_s=busy_s)
+        if apart is not None:
+            out.failed = {step.req_ids[step.sample_rows[i]]: reason for i, reason in apart.failed.items()}
         if self.config.trace:
             args = {"step": step.step_id, "num_reqs": len(step.req_ids), "num_tokens": step.num_tokens}
             if self.ps.pp_size > 1:

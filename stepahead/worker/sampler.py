@@ -175,13 +175,20 @@ def _to_device(host: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 def _apply_min_tokens(logits: torch.Tensor, md: SamplingMetadata) -> None:
-    neg_inf = logits.new_full((), float("-inf"))
-    logits.index_put_((md.stop_rows, md.stop_tokens), neg_inf)
+    """Suppress the stop tokens of rows below min_tokens, except in a row where that would leave no
+    token at all: a grammar that is complete allows only the end tokens, and the grammar wins there
+    (the request then ends with its grammar, short of min_tokens), as in vLLM."""
+    rows, tokens = md.stop_rows, md.stop_tokens
+    kept = logits[rows, tokens]
+    logits.index_put_((rows, tokens), logits.new_full((), float("-inf")))
+    emptied = torch.isneginf(logits.amax(dim=1)).index_select(0, rows)
+    logits.index_put_((rows, tokens), torch.where(emptied, kept, float("-inf")))
 
 
-def _apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> None:
-    """Repetition over prompt + output (divide positive logits, multiply negative ones);
-    presence/frequency over the output only. Neutral values leave a row's logits bit-identical."""
+def _penalized(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """The logits with penalties applied, in a new tensor (sampling a row again gives the same result):
+    repetition over prompt + output (divide positive logits, multiply negative ones); presence/frequency
+    over the output only. Neutral values leave a row's logits bit-identical."""
     all_rows = md.penalty_rows.shape[0] == md.num_rows
     x = logits if all_rows else logits.index_select(0, md.penalty_rows)
     counts = md.output_counts
@@ -191,10 +198,7 @@ def _apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> None:
         x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
     x = x - md.frequency_penalty.unsqueeze(1) * counts
     x = x - md.presence_penalty.unsqueeze(1) * (counts > 0).to(x.dtype)
-    if all_rows:
-        logits.copy_(x)
-    else:
-        logits.index_copy_(0, md.penalty_rows, x)
+    return x if all_rows else logits.index_copy(0, md.penalty_rows, x)
 
 
 # ---- random sampling ----
@@ -281,15 +285,17 @@ def _select(t: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor | None:
 # ---- the step ----
 
 def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
-    """logits [num_rows, vocab] float32 (modified in place) -> sampled ids and logprob tensors, on
-    the device. Nothing is read back to the host unless md.candidate_search."""
+    """logits [num_rows, vocab] float32 -> sampled ids and logprob tensors, on the device. Nothing is
+    read back to the host unless md.candidate_search. The logits are modified in place only by masks
+    (min_tokens' -inf), which a second call would set again: sampling the same logits twice (a row
+    alone, after its batch failed) gives the same ids for greedy and seeded rows."""
     if md.any_min_tokens:
         _apply_min_tokens(logits, md)
     raw_logprobs = None
     if md.max_num_logprobs is not None:
         raw_logprobs = logits.index_select(0, md.logprob_rows).log_softmax(dim=1)
     if md.any_penalties:
-        _apply_penalties(logits, md)
+        logits = _penalized(logits, md)
     if md.all_greedy:
         tokens = greedy_ids(logits)
     elif not md.any_greedy:

@@ -72,13 +72,14 @@ def test_bitmask_allows_what_the_matcher_accepts(manager, tokenizer, model_confi
     for r in (cat_dog, digits):
         manager.submit(r)
         r.structured_output.compiled.result(timeout=60)
-    first = manager.grammar_bitmask([cat_dog, digits])
+    first, failed = manager.grammar_bitmask([cat_dog, digits])
+    assert not failed
     assert first.shape == (2, (vocab + 31) // 32)
     texts = {t: tokenizer.decode([t]) for t in _allowed(first[0], vocab)}
     assert texts and all("cats".startswith(s) or "dogs".startswith(s) for s in texts.values()), texts
     assert all(s.isdigit() for s in (tokenizer.decode([t]) for t in _allowed(first[1], vocab)))
     assert manager.accept_tokens(cat_dog, tokenizer.encode("cat", add_special_tokens=False))
-    after = _allowed(manager.grammar_bitmask([cat_dog])[0], vocab)
+    after = _allowed(manager.grammar_bitmask([cat_dog])[0][0], vocab)
     assert 2 in after and tokenizer.encode("s", add_special_tokens=False)[0] in after  # end, or the plural
     assert not manager.accept_tokens(digits, tokenizer.encode("x", add_special_tokens=False))
     assert manager.accept_tokens(cat_dog, [2]) and manager.is_terminated(cat_dog)

@@ -55,6 +55,8 @@ from stepahead.entrypoints.openai.serving_utils import ServedModel, encode_ids
 logger = logging.getLogger("stepahead.entrypoints.openai")
 
 DEAD_ENGINE_EXIT_DELAY_S = 2.0  # lets in-flight error responses and a /health probe see the failure
+# After the drain deadline has cut the requests still running, time for their 503s to go out.
+DRAIN_GRACE_S = 2.0
 API_KEY_ENV = "STEPAHEAD_API_KEY"
 
 
@@ -191,11 +193,19 @@ class _Server(uvicorn.Server):
         if self._shutdown_timeout > 0:
             logger.info("Shutting down: draining %d in-flight request(s) for up to %.0f s", in_flight,
                         self._shutdown_timeout)
+            # At the deadline, what still runs is cut the same way: uvicorn's own deadline comes
+            # DRAIN_GRACE_S later, time for each cut request to send its 503.
+            self._loop.call_later(self._shutdown_timeout, self._abort_in_flight)
         else:
-            # An APIError, not a RuntimeError: each cut request answers a clean 503 (an error event if
-            # streamed) instead of a 500 with a traceback in the log.
             logger.info("Shutting down: aborting %d in-flight request(s)", in_flight)
-            self._engine.abort_all(APIError("The server is shutting down", 503))
+            self._abort_in_flight()
+
+    def _abort_in_flight(self) -> None:
+        # An APIError, not a RuntimeError: each cut request answers a clean 503 (an error event if
+        # streamed) instead of a 500 with a traceback in the log.
+        if self._engine.num_in_flight:
+            logger.info("Shutting down: cutting %d request(s) still in flight", self._engine.num_in_flight)
+        self._engine.abort_all(APIError("The server is shutting down", 503))
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -262,7 +272,7 @@ async def run_server(ns: argparse.Namespace) -> int:
                 host, port, model.name, config.model_config.model, config.model_config.max_model_len,
                 stats.num_total_blocks * block_size, stats.num_total_blocks, block_size)
     uv_config = uvicorn.Config(app, log_level=ns.uvicorn_log_level, lifespan="off",
-                               timeout_graceful_shutdown=max(ns.shutdown_timeout, 1.0))
+                               timeout_graceful_shutdown=max(ns.shutdown_timeout, 0.0) + DRAIN_GRACE_S)
     server = _Server(uv_config, engine, state, ns.shutdown_timeout)
     loop = asyncio.get_running_loop()
     tasks = [loop.create_task(_exit_on_engine_death(engine, server)),

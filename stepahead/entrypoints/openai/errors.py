@@ -21,10 +21,12 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from stepahead.errors import EngineDeadError
-from stepahead.validation import InvalidInputError
+from stepahead.errors import EngineDeadError, EngineShutdownError
+from stepahead.validation import InvalidInputError, shorten
 
 logger = logging.getLogger("stepahead.entrypoints.openai")
+
+MAX_MESSAGE_CHARS = 2048
 
 
 class APIError(Exception):
@@ -70,6 +72,8 @@ def error_from_exception(e: BaseException) -> APIError:
         return APIError(str(e), 400, _param_of(str(e)))
     if isinstance(e, EngineDeadError):
         return APIError(f"The engine is dead: {e}", 500)
+    if isinstance(e, EngineShutdownError):
+        return APIError("The server is shutting down", 503)
     return APIError(f"Internal server error: {e!r}", 500)
 
 
@@ -80,7 +84,8 @@ def _param_of(message: str) -> str | None:
 
 
 def _sanitize(message: str) -> str:
-    return re.sub(r" at 0x[0-9a-f]+>", ">", message)
+    """No object addresses, and never longer than MAX_MESSAGE_CHARS (a message may quote input)."""
+    return shorten(re.sub(r" at 0x[0-9a-f]+>", ">", message), MAX_MESSAGE_CHARS)
 
 
 def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:

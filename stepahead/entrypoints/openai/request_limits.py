@@ -4,7 +4,8 @@
   threads, at most `max_queued` at a time (later ones wait), so the event loop only parses, validates
   cheaply and streams: /health and other requests keep answering while a large prompt is tokenized.
 - `RequestLimits`: cheap checks before any of that work: prompt characters (a prompt needs far fewer
-  than MAX_CHARS_PER_TOKEN characters per token of context), sequences per request (prompts × n).
+  than MAX_CHARS_PER_TOKEN characters per token of context), sequences per request (prompts × n); and
+  the time a grammar may take to parse (on an Offload thread).
 - `BodySizeLimit`: an ASGI middleware answering 413 to a body over the limit, before it is read whole.
 """
 
@@ -55,6 +56,8 @@ class RequestLimits:
     max_model_len: int
     max_sequences: int  # prompts × n in one request
     trust_request_chat_template: bool = False
+    # A grammar within grammar_bounds' size and depth parses in well under a second; this is a backstop.
+    grammar_parse_timeout_s: float = 10.0
 
     @property
     def max_prompt_chars(self) -> int:

@@ -8,6 +8,7 @@ those are the hooks a subclass fills in.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from pydantic import BaseModel
 
 from stepahead.engine.async_llm import AsyncLLM, RequestStream
 from stepahead.engine.input_processor import PromptType
+from stepahead.entrypoints.openai.errors import APIError
 from stepahead.entrypoints.openai.protocol import SamplingFields
 from stepahead.entrypoints.openai.request_limits import Offload, RequestLimits
 from stepahead.entrypoints.openai.serving_utils import (
@@ -69,6 +71,13 @@ class ResponseContext:
         return sse(out)
 
 
+def _grammar_param(req: SamplingFields) -> str:
+    """The field a client set its grammar with: OpenAI's response_format, or vLLM's structured_outputs."""
+    if req.response_format is not None and req.response_format.type != "text":
+        return "response_format"
+    return "structured_outputs"
+
+
 class OpenAIServing:
     def __init__(self, engine: AsyncLLM, model: ServedModel, limits: RequestLimits, offload: Offload) -> None:
         self.engine = engine
@@ -84,14 +93,29 @@ class OpenAIServing:
         reject_unsupported(req)
         return model_name
 
+    async def check_grammar(self, req: SamplingFields, params: SamplingParams) -> None:
+        """Parse the request's grammar on a worker thread under the parse time limit, so a large
+        schema never holds the event loop; the engine's own check of it is then a lookup."""
+        if params.structured_outputs is None:
+            return
+        limit = self.limits.grammar_parse_timeout_s
+        try:
+            await asyncio.wait_for(self.offload.run(self.engine.input_processor.check_structured_outputs, params),
+                                   limit)
+        except asyncio.TimeoutError:
+            raise APIError(f"structured_outputs: the grammar took longer than {limit:g} s to parse (the limit)",
+                           400, _grammar_param(req)) from None
+        except InvalidInputError as e:
+            e.param = _grammar_param(req) if e.param == "structured_outputs" else e.param
+            raise
+
     def add_request(self, req: SamplingFields, request_id: str, prompt: PromptType, params: SamplingParams,
                     stream: RequestStream | None = None) -> RequestStream:
         """Submit one prompt; a rejection names the field the client sent."""
         try:
             return self.engine.add_request(request_id, prompt, params, stream)
         except InvalidInputError as e:
-            if e.param == "structured_outputs" and req.response_format is not None and req.response_format.type != "text":
-                e.param = "response_format"  # the client asked through OpenAI's field
+            e.param = _grammar_param(req) if e.param == "structured_outputs" else e.param
             raise
 
     async def respond(self, ctx: ResponseContext, stream: RequestStream, raw_request: Request) -> Response:

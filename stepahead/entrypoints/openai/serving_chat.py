@@ -27,6 +27,7 @@ from stepahead.entrypoints.openai.template_sandbox import TemplateSandbox
 from stepahead.entrypoints.openai.token_bytes import TokenBytes
 from stepahead.outputs import LOGPROB_FLOOR, Logprob
 from stepahead.sampling_params import MAX_LOGPROBS
+from stepahead.validation import shorten
 
 NO_TEMPLATE = ("As of transformers v4.44, default chat template is no longer allowed, so you must provide a "
                "chat template if the tokenizer does not define one.")
@@ -104,7 +105,7 @@ def _flatten_content(message: ChatMessage, index: int) -> str:
     texts = []
     for part in message.content:
         if part.type != "text" or part.text is None:
-            raise APIError(f"messages[{index}].content: only text parts are supported, got type {part.type!r}", 400,
+            raise APIError(f"messages[{index}].content: only text parts are supported, got type {shorten(repr(part.type))}", 400,
                            "messages")
         texts.append(part.text)
     return "\n".join(texts)
@@ -145,6 +146,7 @@ class OpenAIServingChat(OpenAIServing):
         top_logprobs = self._top_logprobs(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = sampling_params_of(req, max_tokens, top_logprobs, self.generation_defaults)
+        await self.check_grammar(req, params)
         self.limits.check_sequences(1, req.n)
         self.limits.check_chars(message_chars(req.messages), "messages")
         template = request_template(req, self.limits.trust_request_chat_template)

@@ -66,6 +66,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.echo and req.logprobs is not None:
             raise APIError("echo together with logprobs is not supported (no prompt logprobs)", 400, "echo")
         params = sampling_params_of(req, req.max_tokens, req.logprobs, self.generation_defaults)
+        await self.check_grammar(req, params)
         prompts = _prompt_list(req)
         self.limits.check_sequences(len(prompts), req.n)
         for prompt in prompts:

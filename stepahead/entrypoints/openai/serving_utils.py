@@ -19,6 +19,7 @@ from stepahead.entrypoints.openai.protocol import SamplingFields
 from stepahead.entrypoints.openai.request_limits import MAX_N
 from stepahead.outputs import LOGPROB_FLOOR, Logprob
 from stepahead.sampling_params import SamplingParams, StructuredOutputsParams
+from stepahead.validation import InvalidInputError, shorten
 
 logger = logging.getLogger("stepahead.entrypoints.openai")
 
@@ -43,7 +44,7 @@ class ServedModel:
         if requested is None or requested == "":
             return self.name
         if requested not in self.names:
-            raise APIError(f"The model `{requested}` does not exist.", 404, "model")
+            raise APIError(f"The model `{shorten(requested)}` does not exist.", 404, "model")
         return requested
 
     def log_ignored_fields(self, req: Any) -> None:
@@ -94,7 +95,11 @@ def structured_outputs_of(req: SamplingFields) -> StructuredOutputsParams | None
         schema = (response_format.json_schema or {}).get("schema")
         if schema is None:
             raise APIError("response_format.json_schema.schema is required", 400, "response_format")
-        return StructuredOutputsParams(json=schema)
+        try:
+            return StructuredOutputsParams(json=schema)
+        except InvalidInputError as e:
+            e.param = "response_format"  # the client asked through OpenAI's field
+            raise
     if guided:
         return StructuredOutputsParams(**guided)
     if structured is None:

@@ -13,6 +13,7 @@ import pytest
 from tests.entrypoints.openai.conftest import MODEL_NAME
 from tests.entrypoints.openai.server_utils import RemoteServer
 from tests.entrypoints.openai.test_errors import _check_error
+from tests.test_grammar_bounds import nested_arrays, nested_objects
 
 COMPLETION = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 16, "ignore_eos": True}
 NESTED_LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}"
@@ -27,6 +28,15 @@ HOSTILE = [
                               "chat_template_kwargs": {"chat_template": NESTED_LOOPS}}, 400, "chat_template"),
     ("/v1/chat/completions", {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}],
                               "chat_template": NESTED_LOOPS}, 400, "chat_template"),
+    # Schemas deep enough to break a recursive walk (pickling, JSON encoding) or to parse for seconds.
+    ("/v1/completions", {**COMPLETION, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "d", "schema": nested_objects(250)}}}, 400, "response_format"),
+    ("/v1/completions", {**COMPLETION, "guided_json": nested_arrays(900)}, 400, "structured_outputs"),
+    ("/v1/chat/completions", {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}],
+                              "structured_outputs": {"json": nested_objects(400)}}, 400, "structured_outputs"),
+    # Refusals quote a short prefix of what they refuse (checked below), not megabytes.
+    ("/v1/completions", {**COMPLETION, "stop": ["x" * 1000] * 999 + [""]}, 400, "stop"),
+    ("/v1/completions", {**COMPLETION, "model": "m" * 100_000}, 404, "model"),
 ]
 
 
@@ -49,6 +59,7 @@ def test_hostile_request_is_refused_while_the_server_keeps_serving(server, http,
         completion_s.append(time.monotonic() - started)
     thread.join()
     _check_error(result["response"], status, param)
+    assert len(result["response"].text) < 4096
     # Generous bounds: they check that the event loop stayed free, not speed.
     assert max(health_s) < 1.0 and max(completion_s) < 5.0, (health_s, completion_s)
 
