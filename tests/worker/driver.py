@@ -2,6 +2,7 @@
 
 It allocates blocks from a counter, chunks prefills, can reuse another request's blocks as a
 prefix-cache hit and can preempt/resume a request, sending exactly the diffs the real scheduler sends.
+With async outputs (the CUDA default) it resolves each step's handle at once, as the sync engine reads ids.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from stepahead.config import EngineConfig
 from stepahead.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from stepahead.engine.arg_utils import EngineArgs
 from stepahead.sampling_params import SamplingParams
+from stepahead.worker.async_output import AsyncModelRunnerOutput
 
 
 def make_config(model, block_size=16, num_blocks=256, max_num_batched_tokens=512, device="cpu",
@@ -73,6 +75,8 @@ class MiniSched:
         out = self.runner.execute_model(self.build(only))
         if out is None:
             out = self.runner.sample_tokens(None)
+        if isinstance(out, AsyncModelRunnerOutput):
+            out = out.get_output()
         self.steps += 1
         for rid, toks in zip(out.req_ids, out.sampled_token_ids, strict=True):
             r = self.reqs[rid]

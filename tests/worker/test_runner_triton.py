@@ -31,14 +31,18 @@ def references(tmp_path_factory):
     return get
 
 
-def _runner(folder, block_size):
-    return ModelRunner(make_config(folder, block_size=block_size, num_blocks=1024, attention_backend="triton"))
+def _runner(folder, block_size, async_output=False):
+    return ModelRunner(make_config(folder, block_size=block_size, num_blocks=1024, attention_backend="triton",
+                                   async_output=async_output))
 
 
-@pytest.mark.parametrize("arch,block_size", [("llama", 16), ("qwen3", 1), ("mistral", 32)])
-def test_greedy_matches_transformers(references, arch, block_size):
+# One case with async outputs, as the runner runs on CUDA by default.
+@pytest.mark.parametrize("arch,block_size,async_output", [("llama", 16, False), ("qwen3", 1, False),
+                                                          ("mistral", 32, True)])
+def test_greedy_matches_transformers(references, arch, block_size, async_output):
     folder, ref = references(arch)
-    runner = _runner(folder, block_size)
+    runner = _runner(folder, block_size, async_output)
+    assert runner.async_output == async_output
     assert runner.attention_backend.name == "triton"
     sched = MiniSched(runner, block_size)
     for i, p in enumerate(PROMPTS):
