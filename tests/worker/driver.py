@@ -17,9 +17,10 @@ from stepahead.worker.async_output import AsyncModelRunnerOutput
 
 
 def make_config(model, block_size=16, num_blocks=256, max_num_batched_tokens=512, device="cpu",
-                **kw) -> EngineConfig:
+                max_num_seqs=64, **kw) -> EngineConfig:
     args = EngineArgs(model=str(model), block_size=block_size, num_kv_blocks=num_blocks, executor="uni",
-                      device=device, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=64, **kw)
+                      device=device, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                      **kw)
     return args.create_engine_config()
 
 

@@ -71,7 +71,7 @@ def test_cuda_float32_greedy_matches_transformers(tiny_llama):
     from tests.tiny_models import hf_greedy
 
     prompts = [list(range(100, 140)), list(range(7, 12)), list(range(300, 333))]
-    runner = ModelRunner(make_config(tiny_llama, device="cuda", dtype="float32"))
+    runner = ModelRunner(make_config(tiny_llama, device="cuda", dtype="float32", max_num_seqs=len(prompts)))
     sched = MiniSched(runner, 16, chunk=16)
     for i, p in enumerate(prompts):
         sched.add(f"r{i}", p, 6, SamplingParams(temperature=0.0))
