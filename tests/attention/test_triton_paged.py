@@ -70,17 +70,20 @@ def reference(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale
     block_size = k_cache.shape[2]
     out = torch.zeros(q.shape, dtype=torch.float64)
     qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
+    # Converted once: per row, a GPU-sized cache copied to float64 costs more than the attention.
+    q, k_cache, v_cache, block_table = q.cpu().double(), k_cache.cpu().double(), v_cache.cpu().double(), \
+        block_table.cpu().long()
     for r, seq_len in enumerate(lens):
         start, end = qsl[r], qsl[r + 1]
         if seq_len == 0 or end == start:
             continue
         pos = torch.arange(seq_len)
-        blocks = block_table[r].cpu().long()[pos // block_size]
-        k = k_cache.cpu().double()[:, blocks, pos % block_size]  # [kv_heads, seq_len, hd]
-        v = v_cache.cpu().double()[:, blocks, pos % block_size]
+        blocks = block_table[r][pos // block_size]
+        k = k_cache[:, blocks, pos % block_size]  # [kv_heads, seq_len, hd]
+        v = v_cache[:, blocks, pos % block_size]
         k = k.repeat_interleave(num_heads // num_kv_heads, 0)
         v = v.repeat_interleave(num_heads // num_kv_heads, 0)
-        qr = q[start:end].cpu().double().transpose(0, 1)  # [heads, n, hd]
+        qr = q[start:end].transpose(0, 1)  # [heads, n, hd]
         q_pos = seq_len - (end - start) + torch.arange(end - start)
         scores = (qr @ k.transpose(1, 2)) * scale
         scores = scores.masked_fill(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
