@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import cache
+from typing import Any
 
 import torch
 import triton
@@ -63,6 +64,7 @@ DECODE_TILES_FP32 = AttentionTiles(block_m=16, block_n=16, num_warps=4, num_stag
 PREFILL_TILES_FP32 = AttentionTiles(block_m=64, block_n=16, num_warps=8, num_stages=2)
 # Split-KV decode aims at two programs per SM; more shares than this only add merge work.
 MAX_KV_SPLITS = 16
+KV_SPLIT_CHOICES = (1, 2, 4, 8, 16)  # every count _auto_kv_splits returns: powers of two, few compiled variants
 
 
 @triton.jit
@@ -223,6 +225,19 @@ def _merge_kv_splits_kernel(
              o.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
+@dataclass(frozen=True)
+class KernelLaunch:
+    """One kernel launch planned on the host: run now, or compiled ahead of time (attention/triton_aot.py)."""
+
+    kernel: Any  # a @triton.jit function
+    grid: tuple[int, ...]
+    args: tuple
+    kwargs: dict[str, Any]  # constexprs and launch options
+
+    def run(self) -> None:
+        self.kernel[self.grid](*self.args, **self.kwargs)
+
+
 # Under TRITON_INTERPRET=1 (set before import) @triton.jit yields interpreted functions instead.
 _INTERPRETED = not isinstance(_paged_attention_kernel, triton.runtime.JITFunction)
 
@@ -255,6 +270,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     key shares of a decode launch (None: chosen from the batch and the GPU's SM count; ignored unless
     max_query_len == 1). Returns out.
     """
+    for launch in attention_launches(q, k_cache, v_cache, block_table, seq_lens, query_start_loc,
+                                     max_query_len=max_query_len, scale=scale, out=out, tiles=tiles,
+                                     num_kv_splits=num_kv_splits):
+        launch.run()
+    return out
+
+
+def attention_launches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                       seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *, max_query_len: int,
+                       scale: float, out: torch.Tensor, tiles: AttentionTiles | None = None,
+                       num_kv_splits: int | None = None) -> list[KernelLaunch]:
+    """The launches paged_attention runs (same arguments), in order; allocates the split-KV scratch."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, _num_blocks, block_size, _ = k_cache.shape
     num_rows = block_table.shape[0]
@@ -268,7 +295,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_m = max(tiles.block_m, triton.next_power_of_2(group), 16)
     block_q = 1 if decode else block_m // group
     if num_rows == 0 or num_tokens == 0:
-        return out
+        return []
     num_splits = 1
     if decode:
         num_splits = _auto_kv_splits(q, num_rows, num_kv_heads) if num_kv_splits is None else num_kv_splits
@@ -279,10 +306,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         split_acc = torch.empty(*shape, head_dim, dtype=torch.float32, device=q.device)
         split_max = torch.empty(shape, dtype=torch.float32, device=q.device)
         split_sum = torch.empty_like(split_max)
-    _paged_attention_kernel[grid](
+    launches = [KernelLaunch(_paged_attention_kernel, grid, (
         q, k_cache, v_cache, out, block_table, seq_lens, query_start_loc, split_acc, split_max, split_sum,
         scale * math.log2(math.e), num_rows,
         *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), block_table.stride(0),
+    ), dict(
         HEAD_DIM=head_dim, GROUP=group, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=max(tiles.block_n, 16),
         BLOCK_D=max(triton.next_power_of_2(head_dim), 16),
@@ -290,14 +318,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         # fp32 inputs: full-precision products (tf32 would lose ~3 digits); 16-bit inputs ignore this.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-    )
+    ))]
     if num_splits > 1:
-        _merge_kv_splits_kernel[(num_rows, num_heads)](
+        launches.append(KernelLaunch(_merge_kv_splits_kernel, (num_rows, num_heads), (
             out, split_acc, split_max, split_sum, query_start_loc, *out.stride(),
+        ), dict(
             HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
             BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4,
-        )
-    return out
+        )))
+    return launches
 
 
 @triton.jit
@@ -329,14 +358,23 @@ def _write_kv_kernel(
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store k/v [num_tokens, kv_heads, hd] at flat slots (block * block_size + offset); slot -1 skips."""
+    launch = write_kv_launch(k, v, k_cache, v_cache, slot_mapping)
+    if launch is not None:
+        launch.run()
+
+
+def write_kv_launch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> KernelLaunch | None:
+    """The launch write_kv runs (same arguments); None when there is no token."""
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
-        return
+        return None
     # One program per token, covering all its KV heads: a token's K/V is a few KB at most.
-    _write_kv_kernel[(num_tokens,)](
+    return KernelLaunch(_write_kv_kernel, (num_tokens,), (
         k, v, k_cache, v_cache, slot_mapping, k_cache.shape[2],
         *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
+    ), dict(
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
         num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
-    )
+    ))
