@@ -2,7 +2,7 @@
 
 Cache: one K and one V tensor per layer, [num_kv_heads, num_blocks, block_size, head_dim] as in
 `stepahead.attention.sdpa`. The kernels take every stride as an argument, so another order of these four
-axes needs no kernel change.
+axes needs no kernel change; K and V must have the same strides (attention reads both at one offset).
 
 Batch: q and out are [num_tokens, num_heads, head_dim], the new tokens of every row back to back. Row r owns
 tokens query_start_loc[r]:query_start_loc[r + 1] and has seq_lens[r] tokens of context in all, its new tokens
@@ -69,15 +69,16 @@ KV_SPLIT_CHOICES = (1, 2, 4, 8, 16)  # every count _auto_kv_splits returns: powe
 
 @triton.jit
 def _attend_key_tile(acc, m_i, l_i, start, q, q_pos, kv_end, qk_scale, block_table_row, k_head, v_head,
-                     stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, offs_n, offs_d, d_ok,
+                     stride_cb, stride_cs, stride_cd, offs_n, offs_d, d_ok,
                      BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One online-softmax step over key positions start + offs_n (those < kv_end and <= each query's)."""
     pos = start + offs_n
     pos_ok = pos < kv_end
-    # int64: block * stride overflows int32 on large caches.
+    # int64: block * stride overflows int32 on large caches. K and V share their strides, so the one
+    # 64-bit offset per key serves both (two cost ~30 registers a thread).
     block = tl.load(block_table_row + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
-    in_block = pos % BLOCK_SIZE
-    k = tl.load(k_head + (block * stride_kb + in_block * stride_ks)[None, :] + offs_d[:, None] * stride_kd,
+    key_offset = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs
+    k = tl.load(k_head + key_offset[None, :] + offs_d[:, None] * stride_cd,
                 mask=pos_ok[None, :] & d_ok[:, None], other=0.0)
     s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
     s = tl.where(pos_ok[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
@@ -87,7 +88,7 @@ def _attend_key_tile(acc, m_i, l_i, start, q, q_pos, kv_end, qk_scale, block_tab
     m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.math.exp2(s - m_shift[:, None])
     alpha = tl.math.exp2(m_i - m_shift)
-    v = tl.load(v_head + (block * stride_vb + in_block * stride_vs)[:, None] + offs_d[None, :] * stride_vd,
+    v = tl.load(v_head + key_offset[:, None] + offs_d[None, :] * stride_cd,
                 mask=pos_ok[:, None] & d_ok[None, :], other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i * alpha + tl.sum(p, 1)
@@ -103,8 +104,7 @@ def _paged_attention_kernel(
     num_rows,
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
-    stride_kh, stride_kb, stride_ks, stride_kd,
-    stride_vh, stride_vb, stride_vs, stride_vd,
+    stride_ch, stride_cb, stride_cs, stride_cd,  # of k_cache and v_cache alike
     stride_bt,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -121,18 +121,21 @@ def _paged_attention_kernel(
         hi = tl.full([], 0, tl.int32) + num_rows - 1
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= slot:
+            if tl.load(query_start_loc_ptr + mid).to(tl.int32) // BLOCK_Q + mid <= slot:
                 lo = mid
             else:
                 hi = mid - 1
         row = lo
-        q_tile = slot - (tl.load(query_start_loc_ptr + row) // BLOCK_Q + row)
+        q_tile = slot - (tl.load(query_start_loc_ptr + row).to(tl.int32) // BLOCK_Q + row)
 
-    q_start = tl.load(query_start_loc_ptr + row)
-    q_len = tl.load(query_start_loc_ptr + row + 1) - q_start
+    # Per-row metadata as int32 whatever its dtype (the staging buffer is int64): token indices,
+    # positions and lengths fit, and 64-bit index math costs ~40 registers a thread (one resident block
+    # less per SM). Only the products that address the cache (block * stride) are widened to int64.
+    q_start = tl.load(query_start_loc_ptr + row).to(tl.int32)
+    q_len = tl.load(query_start_loc_ptr + row + 1).to(tl.int32) - q_start
     if q_tile * BLOCK_Q >= q_len:
         return
-    seq_len = tl.load(seq_lens_ptr + row)
+    seq_len = tl.load(seq_lens_ptr + row).to(tl.int32)
     context_len = seq_len - q_len
 
     offs_m = tl.arange(0, BLOCK_M)
@@ -155,8 +158,8 @@ def _paged_attention_kernel(
     # Keys past the tile's last query position are masked for every row of the tile: stop there.
     kv_end = tl.minimum(seq_len, context_len + (q_tile + 1) * BLOCK_Q)
     block_table_row = block_table_ptr + row.to(tl.int64) * stride_bt
-    k_head = k_cache_ptr + kv_head.to(tl.int64) * stride_kh
-    v_head = v_cache_ptr + kv_head.to(tl.int64) * stride_vh
+    k_head = k_cache_ptr + kv_head.to(tl.int64) * stride_ch
+    v_head = v_cache_ptr + kv_head.to(tl.int64) * stride_ch
     kv_start = 0
     if NUM_SPLITS > 1:
         # This program's share of the keys: equal shares rounded up to whole key steps (some may be empty).
@@ -171,14 +174,14 @@ def _paged_attention_kernel(
         while start < kv_end:
             acc, m_i, l_i = _attend_key_tile(
                 acc, m_i, l_i, start, q, q_pos, kv_end, qk_scale, block_table_row, k_head, v_head,
-                stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, offs_n, offs_d, d_ok,
+                stride_cb, stride_cs, stride_cd, offs_n, offs_d, d_ok,
                 BLOCK_SIZE, DOT_PRECISION)
             start += BLOCK_N
     else:
         for start in range(kv_start, kv_end, BLOCK_N):
             acc, m_i, l_i = _attend_key_tile(
                 acc, m_i, l_i, start, q, q_pos, kv_end, qk_scale, block_table_row, k_head, v_head,
-                stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, offs_n, offs_d, d_ok,
+                stride_cb, stride_cs, stride_cd, offs_n, offs_d, d_ok,
                 BLOCK_SIZE, DOT_PRECISION)
 
     if NUM_SPLITS > 1:
@@ -204,8 +207,8 @@ def _merge_kv_splits_kernel(
 ):
     row = tl.program_id(0)
     head = tl.program_id(1)
-    tok = tl.load(query_start_loc_ptr + row)
-    if tl.load(query_start_loc_ptr + row + 1) == tok:  # no new token: the attention kernel wrote nothing
+    tok = tl.load(query_start_loc_ptr + row).to(tl.int32)
+    if tl.load(query_start_loc_ptr + row + 1).to(tl.int32) == tok:  # no new token: the attention kernel wrote nothing
         return
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
@@ -294,6 +297,8 @@ def attention_launches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     # tl.dot needs every tile dimension >= 16; a non-power-of-two head_dim is masked up to BLOCK_D.
     block_m = max(tiles.block_m, triton.next_power_of_2(group), 16)
     block_q = 1 if decode else block_m // group
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError(f"k_cache and v_cache need the same strides, got {k_cache.stride()} and {v_cache.stride()}")
     if num_rows == 0 or num_tokens == 0:
         return []
     num_splits = 1
@@ -309,7 +314,7 @@ def attention_launches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     launches = [KernelLaunch(_paged_attention_kernel, grid, (
         q, k_cache, v_cache, out, block_table, seq_lens, query_start_loc, split_acc, split_max, split_sum,
         scale * math.log2(math.e), num_rows,
-        *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), block_table.stride(0),
+        *q.stride(), *out.stride(), *k_cache.stride(), block_table.stride(0),
     ), dict(
         HEAD_DIM=head_dim, GROUP=group, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=max(tiles.block_n, 16),
