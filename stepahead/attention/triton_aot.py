@@ -3,7 +3,8 @@
 A kernel that fails to compile or spills registers on the target only shows on that GPU, and GPU time
 comes rarely: this compiles the launches `triton_paged` plans (the same host code that launches them,
 so the same constexprs and the same argument specialisations) with Triton's bundled `ptxas` for
-sm_90 (H100/H200) on a machine without a GPU, and reports registers and spills per kernel.
+sm_90 (H100/H200) on a machine without a GPU, and reports registers and spills per kernel. It fails on
+a compile error, a spill, or a decode kernel larger than the footprint its split count assumes.
 
     python -m stepahead.attention.triton_aot [--full]   # a table of kernels, registers and spills
 
@@ -153,6 +154,17 @@ def _fresh_cache_dir() -> str:
     return tempfile.mkdtemp(dir=_cache_root)
 
 
+def over_footprint(variant: Variant, result: Compiled) -> bool:
+    """A decode variant that needs more registers or shared memory than the split-count estimate assumes
+    (triton_paged.DECODE_FOOTPRINTS): the estimate is stale and would put too many blocks on an SM."""
+    kw = variant.launch.kwargs
+    if variant.launch.kernel is not triton_paged._paged_attention_kernel or not kw["DECODE"]:
+        return False
+    q = variant.launch.args[0]
+    footprint = triton_paged.decode_footprint(q.dtype == torch.float32, kw["BLOCK_D"], kw["num_warps"])
+    return result.registers > footprint.registers or result.shared_bytes > footprint.shared_bytes
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--full", action="store_true", help="every variant, not the representative subset")
@@ -161,10 +173,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'variant':40} {'regs':>5} {'spill st/ld':>12} {'smem KB':>8} {'s':>5}")
     for variant in variants(ns.full):
         result = compile_variant(variant)
-        spilled = result.spill_stores or result.spill_loads
-        failures += bool(spilled)
+        problems = (["SPILLS"] if result.spill_stores or result.spill_loads else []) + \
+            (["OVER DECODE_FOOTPRINTS"] if over_footprint(variant, result) else [])
+        failures += bool(problems)
         print(f"{result.label:40} {result.registers:5d} {result.spill_stores:6d}/{result.spill_loads:<5d}"
-              f" {result.shared_bytes / 1024:8.1f} {result.seconds:5.1f}{'  SPILLS' if spilled else ''}")
+              f" {result.shared_bytes / 1024:8.1f} {result.seconds:5.1f}" + "".join(f"  {p}" for p in problems))
     return 1 if failures else 0
 
 

@@ -23,8 +23,9 @@ Grids depend only on host ints, never on device data, so a launch can be capture
   its row by binary search over these starts and exits if its slot is past the row's last tile. A
   (num_rows, cdiv(max_query_len, BLOCK_Q)) grid would instead launch mostly idle programs for a batch of
   many decodes plus one long prefill.
-- split-KV decode, when num_rows * num_kv_heads programs would leave most of the GPU idle (few rows; long
-  contexts gain the most): (num_rows, num_kv_heads, num_splits). Split s takes the s-th equal share of
+- split-KV decode, when num_rows * num_kv_heads programs would fill the GPU's waves of resident blocks
+  poorly (few rows, or a last wave mostly idle; the count from attention/kv_splits.py):
+  (num_rows, num_kv_heads, num_splits). Split s takes the s-th equal share of
   the row's keys and stores its unnormalised state (acc, running max, running sum) in fp32 scratch; a
   second kernel, grid (num_rows, num_heads), merges the shares into out.
 Tokens of a row with seq_len 0 (padding rows of a captured graph) get zeros; tokens past
@@ -41,6 +42,8 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
+
+from stepahead.attention.kv_splits import KernelFootprint, kv_splits, resident_blocks_per_sm
 
 
 @dataclass(frozen=True)
@@ -62,9 +65,14 @@ PREFILL_TILES = AttentionTiles(block_m=128, block_n=64, num_warps=8, num_stages=
 # fp32 (tests) has no full-precision tensor-core path: these keep the FMA dots free of register spills.
 DECODE_TILES_FP32 = AttentionTiles(block_m=16, block_n=16, num_warps=4, num_stages=2)
 PREFILL_TILES_FP32 = AttentionTiles(block_m=64, block_n=16, num_warps=8, num_stages=2)
-# Split-KV decode aims at two programs per SM; more shares than this only add merge work.
-MAX_KV_SPLITS = 16
-KV_SPLIT_CHOICES = (1, 2, 4, 8, 16)  # every count _auto_kv_splits returns: powers of two, few compiled variants
+# Split-KV decode: counts sized to whole waves of resident blocks (attention/kv_splits.py); powers of
+# two (few compiled variants), and more shares than 16 only add merge work.
+KV_SPLIT_CHOICES = (1, 2, 4, 8, 16)
+# Registers per thread and shared memory of one decode block with DECODE_TILES(_FP32) on sm_90, split
+# variants (the most of any block size), by (fp32, BLOCK_D): upper bounds tests/attention/test_triton_aot.py
+# checks against the compiled kernels. They set how many blocks an SM holds, so how many splits fit.
+DECODE_FOOTPRINTS = {(False, 64): (88, 21504), (False, 128): (168, 39936),
+                     (True, 64): (64, 13312), (True, 128): (72, 25664)}
 
 
 @triton.jit
@@ -250,14 +258,21 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _auto_kv_splits(q: torch.Tensor, num_rows: int, num_kv_heads: int) -> int:
-    """Key shares per decode row so that about two programs per SM run; 1 off CUDA or for big batches."""
+def decode_footprint(fp32: bool, block_d: int, num_warps: int) -> KernelFootprint:
+    """One decode block's registers and shared memory (measured at BLOCK_D 64 and 128; scaled beyond)."""
+    registers, shared = DECODE_FOOTPRINTS[fp32, min(max(block_d, 64), 128)]
+    if block_d > 128:
+        registers, shared = 255, shared * block_d // 128
+    return KernelFootprint(registers, shared, num_warps)
+
+
+def _auto_kv_splits(q: torch.Tensor, num_rows: int, num_kv_heads: int, block_d: int, num_warps: int) -> int:
+    """Key shares per decode row that fill whole waves of resident blocks; 1 off CUDA."""
     if not q.is_cuda:
         return 1
-    programs = num_rows * num_kv_heads
     device = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    splits = max(1, min(MAX_KV_SPLITS, 2 * _sm_count(device) // programs))
-    return 1 << (splits.bit_length() - 1)  # a power of two: few compiled variants of NUM_SPLITS
+    blocks = resident_blocks_per_sm(decode_footprint(q.dtype == torch.float32, block_d, num_warps))
+    return kv_splits(num_rows * num_kv_heads, _sm_count(device), blocks, KV_SPLIT_CHOICES)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
@@ -303,7 +318,9 @@ def attention_launches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         return []
     num_splits = 1
     if decode:
-        num_splits = _auto_kv_splits(q, num_rows, num_kv_heads) if num_kv_splits is None else num_kv_splits
+        block_d = max(triton.next_power_of_2(head_dim), 16)
+        num_splits = _auto_kv_splits(q, num_rows, num_kv_heads, block_d, tiles.num_warps) \
+            if num_kv_splits is None else num_kv_splits
     grid = (num_rows if decode else num_tokens // block_q + num_rows, num_kv_heads, num_splits)
     split_acc = split_max = split_sum = out  # placeholders: the kernel touches them only when splitting
     if num_splits > 1:
