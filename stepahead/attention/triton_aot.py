@@ -35,6 +35,7 @@ from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
 from stepahead.attention import triton_paged
+from stepahead.attention.triton_kernels import paged_attention_kernel
 from stepahead.attention.triton_paged import KernelLaunch
 
 SM90 = GPUTarget("cuda", 90, 32)
@@ -158,7 +159,7 @@ def over_footprint(variant: Variant, result: Compiled) -> bool:
     """A decode variant that needs more registers or shared memory than the split-count estimate assumes
     (triton_paged.DECODE_FOOTPRINTS): the estimate is stale and would put too many blocks on an SM."""
     kw = variant.launch.kwargs
-    if variant.launch.kernel is not triton_paged._paged_attention_kernel or not kw["DECODE"]:
+    if variant.launch.kernel is not paged_attention_kernel or not kw["DECODE"]:
         return False
     q = variant.launch.args[0]
     footprint = triton_paged.decode_footprint(q.dtype == torch.float32, kw["BLOCK_D"], kw["num_warps"])
