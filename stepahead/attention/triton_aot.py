@@ -8,7 +8,8 @@ a compile error, a spill, or a decode kernel larger than the footprint its split
 
     python -m stepahead.attention.triton_aot [--full]   # a table of kernels, registers and spills
 
-Without --full a representative subset (every kernel and launch kind, every dtype, head size and
+The layers' fused kernels (models/triton_fused.py: q/k norm + rope, residual add + RMSNorm) are
+compiled too, at each head size's model. Without --full a representative subset (every kernel and launch kind, every dtype, head size and
 block size at least once); --full compiles the whole matrix: fp16/bf16/fp32, head sizes 64 and 128,
 block sizes 1, 16 and 128, decode with every split count the engine can pick. Triton must not run
 interpreted here (TRITON_INTERPRET unset): the kernels have to be real JIT functions.
@@ -39,8 +40,9 @@ from stepahead.attention.triton_kernels import paged_attention_kernel
 from stepahead.attention.triton_paged import KernelLaunch
 
 SM90 = GPUTarget("cuda", 90, 32)
-# (num_heads, num_kv_heads) per head size: Qwen3-0.6B's 16/8 at 128, SmolLM2-135M's 9/3 at 64.
+# (num_heads, num_kv_heads) and hidden size per head size: Qwen3-0.6B's at 128, SmolLM2-135M's at 64.
 HEADS = {128: (16, 8), 64: (9, 3)}
+HIDDEN = {128: 1024, 64: 576}
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 BLOCK_SIZES = (1, 16, 128)
 
@@ -109,6 +111,25 @@ def variants(full: bool) -> Iterator[Variant]:
                 (launch,) = triton_paged.attention_launches(q, k_cache, v_cache, max_query_len=40, scale=1.0,
                                                            out=out, **meta)
                 yield Variant(f"prefill {base}", launch)
+            if full or dtype_name == "bf16":
+                yield from _fused_variants(dtype_name, dtype, head_dim)
+
+
+def _fused_variants(dtype_name: str, dtype: torch.dtype, head_dim: int) -> Iterator[Variant]:
+    """The layers' fused kernels (models/triton_fused.py) at the model whose head size this is."""
+    from stepahead.models import triton_fused
+
+    num_heads, num_kv_heads = HEADS[head_dim]
+    hidden = HIDDEN[head_dim]
+    fused = torch.empty(4, num_heads + 2 * num_kv_heads, head_dim, dtype=dtype)
+    qk, cos_sin, weight = fused[:, :num_heads + num_kv_heads], torch.empty(4, 2, head_dim, dtype=dtype), \
+        torch.empty(head_dim, dtype=dtype)
+    base = f"{dtype_name} hd{head_dim}"
+    yield Variant(f"rope {base}", triton_fused.rope_qk_norm_launch(qk, cos_sin, num_heads))
+    yield Variant(f"qk_norm_rope {base}", triton_fused.rope_qk_norm_launch(qk, cos_sin, num_heads, weight, weight))
+    x = torch.empty(4, hidden, dtype=dtype)
+    yield Variant(f"add_rms_norm {dtype_name} hidden{hidden}",
+                  triton_fused.add_rms_norm_launch(x, x, torch.empty(hidden, dtype=dtype), 1e-6, x, x))
 
 
 _PTXAS_USAGE = re.compile(r"Used (\d+) registers")

@@ -1,5 +1,6 @@
-"""Every Triton kernel variant the engine launches compiles for sm_90 (H100/H200) with Triton's bundled
-ptxas, without register spills; no GPU needed (stepahead/attention/triton_aot.py).
+"""Every Triton kernel variant the engine launches (attention, KV write, the layers' fused norm and rope
+kernels) compiles for sm_90 (H100/H200) with Triton's bundled ptxas, without register spills; no GPU
+needed (stepahead/attention/triton_aot.py).
 
 CI compiles a representative subset (every kernel and launch kind; about 15 s here); with
 STEPAHEAD_AOT_FULL=1 the whole matrix (~150 variants, about a minute on two cores). Run with -s to see
@@ -23,6 +24,7 @@ from stepahead.attention import triton_aot, triton_paged  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 FULL = os.environ.get("STEPAHEAD_AOT_FULL") == "1"
+KINDS = {"write_kv", "decode", "merge", "prefill", "rope", "qk_norm_rope", "add_rms_norm"}
 
 
 def test_the_full_matrix_names_every_variant():
@@ -34,8 +36,11 @@ def test_the_full_matrix_names_every_variant():
                 assert {f"write_kv {base}", f"prefill {base}"} <= labels
                 assert {f"decode {base} splits{n}" for n in triton_paged.KV_SPLIT_CHOICES} <= labels
             assert {f"merge {dtype} hd{head_dim} splits{n}" for n in triton_paged.KV_SPLIT_CHOICES if n > 1} <= labels
+        for head_dim in (64, 128):
+            assert {f"rope {dtype} hd{head_dim}", f"qk_norm_rope {dtype} hd{head_dim}"} <= labels
+    assert {"add_rms_norm fp32 hidden1024", "add_rms_norm bf16 hidden576"} <= labels
     subset = {v.label.split()[0] for v in triton_aot.variants(full=False)}
-    assert subset == {"write_kv", "decode", "merge", "prefill"}
+    assert subset == KINDS
 
 
 def test_kernels_compile_for_sm90_without_spills():
@@ -48,6 +53,6 @@ def test_kernels_compile_for_sm90_without_spills():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = [line.split() for line in proc.stdout.splitlines()[1:]]
     expected = len(list(triton_aot.variants(FULL)))
-    assert len(rows) == expected and {row[0] for row in rows} == {"write_kv", "decode", "merge", "prefill"}
+    assert len(rows) == expected and {row[0] for row in rows} == KINDS
     # A spill would print SPILLS and fail the run above; registers stay within a thread's 255.
     assert all(0 < int(row[-4]) <= 255 and row[-3] == "0/0" for row in rows)
