@@ -12,7 +12,9 @@ The layers' fused kernels (models/triton_fused.py: q/k norm + rope, residual add
 compiled too, at each head size's model. Without --full a representative subset (every kernel and launch kind, every dtype, head size and
 block size at least once); --full compiles the whole matrix: fp16/bf16/fp32, head sizes 64 and 128,
 block sizes 1, 16 and 128, decode with every split count the engine can pick. Triton must not run
-interpreted here (TRITON_INTERPRET unset): the kernels have to be real JIT functions.
+interpreted here (TRITON_INTERPRET unset): the kernels have to be real JIT functions. The binding uses
+Triton 3.6's JIT internals (create_function_from_signature, JITFunction._pack_args; the dev extra pins
+triton==3.6.0): a Triton upgrade must keep them or adapt compile_variant.
 """
 
 from __future__ import annotations

@@ -107,6 +107,8 @@ def _add_rms_norm_kernel(x_ptr, y_ptr, sum_ptr, out_ptr, weight_ptr, eps, n, str
 
 def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + y, rms_norm(x + y) * weight) of [T, hidden] rows (last dimension contiguous), in x's dtype."""
+    if x.stride(-1) != 1 or y.stride(-1) != 1:
+        raise ValueError("add_rms_norm reads rows with contiguous columns")
     total, normed = torch.empty_like(x), torch.empty_like(x)
     if x.shape[0]:
         add_rms_norm_launch(x, y, weight, eps, total, normed).run()
