@@ -24,6 +24,7 @@ class TritonMetadata:
     seq_lens: torch.Tensor  # [num_rows]: context length after this step (0: a padding row)
     query_start_loc: torch.Tensor  # [num_rows + 1]: first new token of each row in the flattened batch
     max_query_len: int  # host-known: 1 selects the decode launch
+    num_decode_rows: int = 0  # leading rows with one new token: a mixed step attends them with the decode launch
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, scale: float) -> torch.Tensor:
         from stepahead.attention import triton_paged
@@ -31,7 +32,8 @@ class TritonMetadata:
         triton_paged.write_kv(k, v, kv.k_cache, kv.v_cache, self.slot_mapping)
         out = q.new_empty(q.shape)  # contiguous even when q is a view of the fused projection
         triton_paged.paged_attention(q, kv.k_cache, kv.v_cache, self.block_table, self.seq_lens,
-                                     self.query_start_loc, max_query_len=self.max_query_len, scale=scale, out=out)
+                                     self.query_start_loc, max_query_len=self.max_query_len, scale=scale, out=out,
+                                     num_decode_rows=self.num_decode_rows)
         return out
 
 
@@ -45,12 +47,13 @@ class StagedTritonMetadata:
     lens_offset: int
     starts_offset: int
     max_query_len: int
+    num_decode_rows: int
 
     def finish(self, slot_mapping: torch.Tensor, staging) -> TritonMetadata:
         rows = self.num_rows
         return TritonMetadata(slot_mapping, staging.view(self.table_offset, rows * self.width, (rows, self.width)),
                               staging.view(self.lens_offset, rows), staging.view(self.starts_offset, rows + 1),
-                              self.max_query_len)
+                              self.max_query_len, self.num_decode_rows)
 
 
 class TritonBackend:
@@ -70,7 +73,8 @@ class TritonBackend:
             starts[b] = row.start
         starts[len(rows)] = rows[-1].start + rows[-1].num_new_tokens if rows else 0
         max_query_len = max((row.num_new_tokens for row in rows), default=0)
-        return StagedTritonMetadata(len(rows), width, table_offset, lens_offset, starts_offset, max_query_len)
+        return StagedTritonMetadata(len(rows), width, table_offset, lens_offset, starts_offset, max_query_len,
+                                    num_decode_rows)
 
     def finish(self, staged: StagedTritonMetadata, slot_mapping: torch.Tensor, staging) -> TritonMetadata:
         return staged.finish(slot_mapping, staging)

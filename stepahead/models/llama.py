@@ -179,6 +179,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps) if a.qk_norm else None
         self.scale = a.head_dim ** -0.5
         self.kernel = False  # rope by stepahead's CPU kernel (LlamaForCausalLM.use_cpu_kernels)
+        self.fused_rope = None  # CUDA: triton_fused.rope_qk_norm_ (LlamaForCausalLM.use_triton_fused)
 
     def forward(self, x, cos_sin, kv, meta, prompt_rows: PromptRows | None = None) -> torch.Tensor:
         """cos_sin [T, 2, head_dim]: each token's rope rows."""
@@ -186,7 +187,11 @@ class Attention(nn.Module):
         heads = self.qkv_proj(x, prompt_rows).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         qk_heads, v = heads.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
         # q and k sit side by side in the fused projection: one rope over both halves the ops.
-        if self.q_norm is None and self.kernel:
+        if self.fused_rope is not None:  # q/k norms and rope in one kernel, in place
+            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else ()
+            self.fused_rope(qk_heads, cos_sin, self.num_heads, *norms)
+            q, k = qk_heads.split([self.num_heads, self.num_kv_heads], dim=1)
+        elif self.q_norm is None and self.kernel:
             cpu_ops.rotary_embedding_(qk_heads, cos_sin)  # in place: the projection's output is ours
             q, k = qk_heads.split([self.num_heads, self.num_kv_heads], dim=1)
         elif self.q_norm is None:
@@ -223,10 +228,17 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(a, ps)
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.fused_add_norm = None  # CUDA: triton_fused.add_rms_norm (LlamaForCausalLM.use_triton_fused)
 
     def forward(self, h, cos_sin, kv, meta, prompt_rows: PromptRows | None = None):
-        h = h + self.self_attn(self.input_layernorm(h), cos_sin, kv, meta, prompt_rows)
-        return h + self.mlp(self.post_attention_layernorm(h), prompt_rows)
+        attn = self.self_attn(self.input_layernorm(h), cos_sin, kv, meta, prompt_rows)
+        if self.fused_add_norm is not None:  # the residual add and the norm in one kernel
+            norm = self.post_attention_layernorm
+            h, normed = self.fused_add_norm(h, attn, norm.weight, norm.eps)
+        else:
+            h = h + attn
+            normed = self.post_attention_layernorm(h)
+        return h + self.mlp(normed, prompt_rows)
 
 
 class _ShardRead(NamedTuple):
@@ -275,6 +287,17 @@ class LlamaForCausalLM(nn.Module):
                 module.kernel = cpu_ops.rms_norm_is_torchs(module.weight.shape[0])
         self.cpu_kernels = True
         self.decode_stack = build_decode_stack(self)
+
+    def use_triton_fused(self) -> None:
+        """Run each layer's q/k norms and rope, and its residual add with the following norm, as one
+        Triton kernel each (models/triton_fused.py): the runner's choice on CUDA."""
+        from stepahead.models import triton_fused
+
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.fused_rope = triton_fused.rope_qk_norm_
+            elif isinstance(module, DecoderLayer):
+                module.fused_add_norm = triton_fused.add_rms_norm
 
     def use_onednn(self) -> None:
         """Run the dense projections and the head through oneDNN (models/onednn_linear.py), their

@@ -121,7 +121,9 @@ def dummy_step(runner: ProfiledRunner, num_tokens: int, num_rows: int) -> None:
         start += n
     positions = torch.cat([torch.arange(row.num_new_tokens, device=runner.device) for row in rows])
     runner.staging.reset()
-    staged = runner.attention_backend.stage(rows, sum(row.num_new_tokens == 1 for row in rows), runner.staging)
+    # The backends take the number of *leading* one-token rows (a runner's step sorts them first).
+    num_decode_rows = next((i for i, row in enumerate(rows) if row.num_new_tokens != 1), len(rows))
+    staged = runner.attention_backend.stage(rows, num_decode_rows, runner.staging)
     runner.staging.upload()
     metadata = runner.attention_backend.finish(staged, positions % runner.block_size, runner.staging)  # block 0
     hidden = runner.model(torch.zeros_like(positions), positions, scratch, metadata)

@@ -57,6 +57,7 @@ class StepInputs:
     logits_indices: torch.Tensor  # [num_sample_rows]: the token of each sampling row
     max_query_len: int  # the most new tokens of any row (1: a decode-only step)
     prompt_rows: PromptRows | None = None  # with packed weights: the rows that are prompt tokens
+    gpu_start: torch.cuda.Event | None = None  # recorded just before the upload (CUDA)
 
 
 @dataclass
@@ -103,7 +104,7 @@ class _StepState:
     num_tokens: int
     t_start: float
     events: list[TraceEvent]
-    gpu_start: torch.cuda.Event | None  # recorded before the step's first device work (CUDA)
+    gpu_start: torch.cuda.Event | None  # recorded just before the step's upload, its first device work (CUDA)
 
 
 class ModelRunner:
@@ -128,6 +129,8 @@ class ModelRunner:
         self.model = load_model(model_config, config.device, ps)
         if onednn_linear.available(self.device, self.dtype):
             self.model.use_onednn()
+        if self.device.type == "cuda" and config.attention_backend == "triton":
+            self.model.use_triton_fused()  # norms and rope as fused Triton kernels (models/triton_fused.py)
         self.vocab_size = model_config.vocab_size
         self.eos_token_ids = [i for i in (model_config.eos_token_id, *model_config.extra_eos_token_ids) if i is not None]
         max_blocks_per_seq = cdiv(sched_config.max_model_len, cache_config.block_size)
@@ -301,6 +304,12 @@ class ModelRunner:
         host_from, from_offset = staging.alloc(len(layout.substitute_from))
         host_from[:] = layout.substitute_from
         staged_prompt_rows = self._stage_prompt_rows(layout.prompt_tokens, scheduler_output.total_num_scheduled_tokens)
+        # The step's device time starts here, not before the host laid the step out: while the host works
+        # the GPU waits, and counting that as busy would hide exactly the time GPU utilization is for.
+        gpu_start = None
+        if self.device.type == "cuda":
+            gpu_start = torch.cuda.Event(enable_timing=True)
+            gpu_start.record()
         staging.upload()
 
         num_tokens = scheduler_output.total_num_scheduled_tokens
@@ -313,7 +322,8 @@ class ModelRunner:
         return StepInputs(order, input_ids, staging.view(layout.positions_offset, num_tokens), attn_metadata,
                           layout.sample_rows, staging.view(logits_offset, len(host_logits_indices)),
                           max((row.num_new_tokens for row in layout.rows), default=0),
-                          staged_prompt_rows.finish(staging) if staged_prompt_rows is not None else None)
+                          staged_prompt_rows.finish(staging) if staged_prompt_rows is not None else None,
+                          gpu_start)
 
     def _stage_prompt_rows(self, prompt_tokens: list[tuple[int, int]], num_tokens: int) -> _StagedPromptRows | None:
         """Which rows are prompt tokens, for packed projections that run them dense (models/prompt_rows.py);
@@ -369,10 +379,6 @@ class ModelRunner:
         self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput.empty()
-        gpu_start = None
-        if self.device.type == "cuda":
-            gpu_start = torch.cuda.Event(enable_timing=True)
-            gpu_start.record()
         inputs = self._prepare_inputs(scheduler_output)
         t1 = time.monotonic()
         events = []
@@ -398,7 +404,7 @@ class ModelRunner:
             hidden = None
             events.append(TraceEvent("send_hidden", "worker", t2, time.monotonic(), args))
         self._step = _StepState(scheduler_output.step_id, inputs.req_ids, inputs.sample_rows, hidden,
-                                scheduler_output.total_num_scheduled_tokens, t0, events, gpu_start)
+                                scheduler_output.total_num_scheduled_tokens, t0, events, inputs.gpu_start)
         return None
 
     def _resolve_outputs(self, keep_latest: bool = False) -> None:

@@ -19,6 +19,7 @@ pytest.importorskip("triton")
 from stepahead.attention import sdpa  # noqa: E402
 from stepahead.attention.triton_paged import (  # noqa: E402
     AttentionTiles,
+    attention_launches,
     paged_attention,
     write_kv,
 )
@@ -70,17 +71,20 @@ def reference(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale
     block_size = k_cache.shape[2]
     out = torch.zeros(q.shape, dtype=torch.float64)
     qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
+    # Converted once: per row, a GPU-sized cache copied to float64 costs more than the attention.
+    q, k_cache, v_cache, block_table = q.cpu().double(), k_cache.cpu().double(), v_cache.cpu().double(), \
+        block_table.cpu().long()
     for r, seq_len in enumerate(lens):
         start, end = qsl[r], qsl[r + 1]
         if seq_len == 0 or end == start:
             continue
         pos = torch.arange(seq_len)
-        blocks = block_table[r].cpu().long()[pos // block_size]
-        k = k_cache.cpu().double()[:, blocks, pos % block_size]  # [kv_heads, seq_len, hd]
-        v = v_cache.cpu().double()[:, blocks, pos % block_size]
+        blocks = block_table[r][pos // block_size]
+        k = k_cache[:, blocks, pos % block_size]  # [kv_heads, seq_len, hd]
+        v = v_cache[:, blocks, pos % block_size]
         k = k.repeat_interleave(num_heads // num_kv_heads, 0)
         v = v.repeat_interleave(num_heads // num_kv_heads, 0)
-        qr = q[start:end].cpu().double().transpose(0, 1)  # [heads, n, hd]
+        qr = q[start:end].transpose(0, 1)  # [heads, n, hd]
         q_pos = seq_len - (end - start) + torch.arange(end - start)
         scores = (qr @ k.transpose(1, 2)) * scale
         scores = scores.masked_fill(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
@@ -88,13 +92,13 @@ def reference(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale
     return out
 
 
-def run(batch, tiles=SMALL, out=None, num_kv_splits=None):
+def run(batch, tiles=SMALL, out=None, num_kv_splits=None, num_decode_rows=0):
     scale = batch["q"].shape[-1] ** -0.5
     if out is None:
         out = torch.full_like(batch["q"], float("nan"))
     paged_attention(batch["q"], batch["k_cache"], batch["v_cache"], batch["block_table"], batch["seq_lens"],
                     batch["query_start_loc"], max_query_len=batch["max_query_len"], scale=scale, out=out,
-                    tiles=tiles, num_kv_splits=num_kv_splits)
+                    tiles=tiles, num_kv_splits=num_kv_splits, num_decode_rows=num_decode_rows)
     expected = reference(batch["q"], batch["k_cache"], batch["v_cache"], batch["block_table"],
                          batch["seq_lens"], batch["query_start_loc"], scale)
     return out, expected
@@ -153,6 +157,40 @@ def test_mixed_batch(block_size):
     assert_close(out, expected)
     qsl = batch["query_start_loc"].tolist()
     assert torch.all(out[qsl[3]:qsl[4]] == 0) and torch.all(out[qsl[7]:qsl[8]] == 0)
+
+
+# A runner's mixed step: one-token rows first (shortest context first), then prefills and chunks.
+MIXED_STEP = [(0, 1), (12, 1), (40, 1), (70, 1), (0, 9), (25, 14), (3, 30), (16, 2)]
+
+
+@pytest.mark.parametrize("block_size,num_kv_splits,dtype", [(16, 1, torch.float32), (1, 1, torch.float32),
+                                                            (4, 2, torch.float32), (16, 1, torch.float16)])
+def test_mixed_step_sends_its_decode_rows_through_the_decode_launch(block_size, num_kv_splits, dtype):
+    """The leading one-token rows of a mixed step through the decode launch and the rest through the
+    general one: the outputs of one general launch over every row (the previous path)."""
+    batch = make_batch(MIXED_STEP, block_size=block_size, num_heads=4, num_kv_heads=2, head_dim=16, dtype=dtype,
+                       seed=11)
+    launches = attention_launches(batch["q"], batch["k_cache"], batch["v_cache"], batch["block_table"],
+                                  batch["seq_lens"], batch["query_start_loc"], max_query_len=batch["max_query_len"],
+                                  scale=1.0, out=torch.empty_like(batch["q"]), tiles=SMALL,
+                                  num_kv_splits=num_kv_splits, num_decode_rows=4)
+    kinds = [launch.kwargs.get("DECODE") for launch in launches]
+    assert kinds == ([True, None, False] if num_kv_splits > 1 else [True, False])  # None: the merge
+    assert launches[0].grid == (4, 2, num_kv_splits)
+    general_only, expected = run(batch)
+    split, _ = run(batch, num_kv_splits=num_kv_splits, num_decode_rows=4)
+    assert_close(split, expected, dtype)
+    tol = 1e-6 if dtype == torch.float32 else 1e-3
+    torch.testing.assert_close(split, general_only, rtol=tol, atol=tol)
+
+
+def test_mixed_step_with_default_tiles_and_decode_rows_only_before_one_prefill():
+    rows = [(5, 1), (300, 1), (0, 1), (0, 150)]
+    batch = make_batch(rows, block_size=16, num_heads=4, num_kv_heads=1, head_dim=16, seed=12)
+    general_only, expected = run(batch, tiles=None)
+    split, _ = run(batch, tiles=None, num_decode_rows=3)
+    assert_close(split, expected)
+    torch.testing.assert_close(split, general_only, rtol=1e-6, atol=1e-6)
 
 
 def test_padding_rows_and_spare_tokens():
@@ -289,6 +327,16 @@ def test_cuda_mixed_batch(dtype, num_heads, num_kv_heads, head_dim):
     batch = make_batch(rows, block_size=16, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                        dtype=dtype, seed=7)
     out, expected = run(batch, tiles=None)
+    assert_close(out, expected, dtype)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_mixed_step_decode_rows_first(dtype):
+    """As the runner lays out a mixed step: 24 one-token rows through the decode launch, then prefills."""
+    rows = [(3, 1), (0, 1)] + [(257, 1)] * 20 + [(1500, 1), (4000, 1), (0, 700), (900, 300), (64, 129)]
+    batch = make_batch(rows, block_size=16, num_heads=32, num_kv_heads=8, head_dim=128, dtype=dtype, seed=8)
+    out, expected = run(batch, tiles=None, num_decode_rows=24)
     assert_close(out, expected, dtype)
 
 

@@ -2,6 +2,7 @@
 
 It allocates blocks from a counter, chunks prefills, can reuse another request's blocks as a
 prefix-cache hit and can preempt/resume a request, sending exactly the diffs the real scheduler sends.
+With async outputs (the CUDA default) it resolves each step's handle at once, as the sync engine reads ids.
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ from stepahead.config import EngineConfig
 from stepahead.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from stepahead.engine.arg_utils import EngineArgs
 from stepahead.sampling_params import SamplingParams
+from stepahead.worker.async_output import AsyncModelRunnerOutput
 
 
 def make_config(model, block_size=16, num_blocks=256, max_num_batched_tokens=512, device="cpu",
-                **kw) -> EngineConfig:
+                max_num_seqs=64, **kw) -> EngineConfig:
     args = EngineArgs(model=str(model), block_size=block_size, num_kv_blocks=num_blocks, executor="uni",
-                      device=device, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=64, **kw)
+                      device=device, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                      **kw)
     return args.create_engine_config()
 
 
@@ -73,6 +76,8 @@ class MiniSched:
         out = self.runner.execute_model(self.build(only))
         if out is None:
             out = self.runner.sample_tokens(None)
+        if isinstance(out, AsyncModelRunnerOutput):
+            out = out.get_output()
         self.steps += 1
         for rid, toks in zip(out.req_ids, out.sampled_token_ids, strict=True):
             r = self.reqs[rid]

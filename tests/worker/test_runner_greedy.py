@@ -1,5 +1,5 @@
 """ModelRunner greedy tokens equal transformers float32, across families, block sizes, chunking,
-prefix-cache hits and preemption/resume."""
+prefix-cache hits and preemption/resume; the stateful cases also with async outputs (the CUDA default)."""
 
 from __future__ import annotations
 
@@ -33,8 +33,11 @@ def references(tmp_path_factory):
     return get
 
 
-def _run(folder, block_size, chunk=10**9, prompts=None):
-    runner = ModelRunner(make_config(folder, block_size=block_size))
+ASYNC_OUTPUT = pytest.mark.parametrize("async_output", [False, True], ids=["sync-output", "async-output"])
+
+
+def _run(folder, block_size, chunk=10**9, prompts=None, async_output=False):
+    runner = ModelRunner(make_config(folder, block_size=block_size, async_output=async_output))
     sched = MiniSched(runner, block_size, chunk=chunk)
     for i, p in enumerate(prompts or _prompts()):
         sched.add(f"r{i}", p, MAX_NEW)
@@ -49,10 +52,11 @@ def test_greedy_matches_transformers(references, arch, block_size):
     assert [out[f"r{i}"] for i in range(len(ref))] == ref
 
 
+@ASYNC_OUTPUT
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_chunked_prefill_matches(references, arch):
+def test_chunked_prefill_matches(references, arch, async_output):
     folder, ref = references(arch)
-    _, _, out = _run(folder, 16, chunk=7)
+    _, _, out = _run(folder, 16, chunk=7, async_output=async_output)
     assert [out[f"r{i}"] for i in range(len(ref))] == ref
 
 
@@ -68,10 +72,11 @@ def test_variants_match(references, overrides):
     assert [out[f"r{i}"] for i in range(len(ref))] == ref
 
 
-def test_prefix_cache_hit_gives_same_tokens(references):
+@ASYNC_OUTPUT
+def test_prefix_cache_hit_gives_same_tokens(references, async_output):
     folder, ref = references("llama")
     prompt = _prompts()[3]  # 40 tokens: two full blocks of 16
-    runner = ModelRunner(make_config(folder, block_size=16))
+    runner = ModelRunner(make_config(folder, block_size=16, async_output=async_output))
     sched = MiniSched(runner, 16)
     first = sched.add("a", prompt, MAX_NEW)
     sched.run()
@@ -81,9 +86,10 @@ def test_prefix_cache_hit_gives_same_tokens(references):
     assert out["a"] == ref[3] and out["b"] == ref[3]
 
 
-def test_preempted_request_resumes_identically(references):
+@ASYNC_OUTPUT
+def test_preempted_request_resumes_identically(references, async_output):
     folder, ref = references("llama")
-    runner = ModelRunner(make_config(folder, block_size=16))
+    runner = ModelRunner(make_config(folder, block_size=16, async_output=async_output))
     sched = MiniSched(runner, 16, chunk=24)
     for i, p in enumerate(_prompts()):
         sched.add(f"r{i}", p, MAX_NEW)
@@ -95,9 +101,10 @@ def test_preempted_request_resumes_identically(references):
     assert [out[f"r{i}"] for i in range(4)] == ref
 
 
-def test_partial_prefill_returns_empty_and_unscheduled_keep_state(references):
+@ASYNC_OUTPUT
+def test_partial_prefill_returns_empty_and_unscheduled_keep_state(references, async_output):
     folder, ref = references("llama")
-    runner = ModelRunner(make_config(folder, block_size=16))
+    runner = ModelRunner(make_config(folder, block_size=16, async_output=async_output))
     sched = MiniSched(runner, 16, chunk=16)
     prompts = _prompts()
     sched.add("r0", prompts[0], MAX_NEW)

@@ -15,9 +15,12 @@ from stepahead.sampling_params import SamplingParams
 from stepahead.worker.model_runner import ModelRunner
 from tests.worker.driver import MiniSched, make_config
 
+ASYNC_OUTPUT = pytest.mark.parametrize("async_output", [False, True], ids=["sync-output", "async-output"])
 
-def test_empty_step_applies_finished_and_returns_empty(tiny_llama):
-    runner = ModelRunner(make_config(tiny_llama))
+
+@ASYNC_OUTPUT
+def test_empty_step_applies_finished_and_returns_empty(tiny_llama, async_output):
+    runner = ModelRunner(make_config(tiny_llama, async_output=async_output))
     sched = MiniSched(runner, 16)
     sched.add("a", list(range(10, 30)), 1)
     sched.run()
@@ -27,8 +30,9 @@ def test_empty_step_applies_finished_and_returns_empty(tiny_llama):
     assert "a" not in runner.requests
 
 
-def test_trace_events_and_busy_time(tiny_llama):
-    cfg = make_config(tiny_llama)
+@ASYNC_OUTPUT
+def test_trace_events_and_busy_time(tiny_llama, async_output):
+    cfg = make_config(tiny_llama, async_output=async_output)
     cfg = dataclasses.replace(cfg, trace=True)
     runner = ModelRunner(cfg)
     sched = MiniSched(runner, 16)
@@ -67,7 +71,7 @@ def test_cuda_float32_greedy_matches_transformers(tiny_llama):
     from tests.tiny_models import hf_greedy
 
     prompts = [list(range(100, 140)), list(range(7, 12)), list(range(300, 333))]
-    runner = ModelRunner(make_config(tiny_llama, device="cuda", dtype="float32"))
+    runner = ModelRunner(make_config(tiny_llama, device="cuda", dtype="float32", max_num_seqs=len(prompts)))
     sched = MiniSched(runner, 16, chunk=16)
     for i, p in enumerate(prompts):
         sched.add(f"r{i}", p, 6, SamplingParams(temperature=0.0))

@@ -1,8 +1,11 @@
 """ModelRunner with the Triton attention backend (the CUDA path; here through Triton's interpreter):
 greedy tokens equal transformers float32 across families, block sizes, chunking, prefix-cache hits and
-preemption, and a decode step padded to a captured batch size equals the unpadded step."""
+preemption, and a decode step padded to a captured batch size equals the unpadded step. On CUDA: float32
+greedy ids equal transformers, and bf16 graph replay equals the same padded pass run eagerly."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -31,14 +34,18 @@ def references(tmp_path_factory):
     return get
 
 
-def _runner(folder, block_size):
-    return ModelRunner(make_config(folder, block_size=block_size, num_blocks=1024, attention_backend="triton"))
+def _runner(folder, block_size, async_output=False):
+    return ModelRunner(make_config(folder, block_size=block_size, num_blocks=1024, attention_backend="triton",
+                                   async_output=async_output))
 
 
-@pytest.mark.parametrize("arch,block_size", [("llama", 16), ("qwen3", 1), ("mistral", 32)])
-def test_greedy_matches_transformers(references, arch, block_size):
+# One case with async outputs, as the runner runs on CUDA by default.
+@pytest.mark.parametrize("arch,block_size,async_output", [("llama", 16, False), ("qwen3", 1, False),
+                                                          ("mistral", 32, True)])
+def test_greedy_matches_transformers(references, arch, block_size, async_output):
     folder, ref = references(arch)
-    runner = _runner(folder, block_size)
+    runner = _runner(folder, block_size, async_output)
+    assert runner.async_output == async_output
     assert runner.attention_backend.name == "triton"
     sched = MiniSched(runner, block_size)
     for i, p in enumerate(PROMPTS):
@@ -105,9 +112,11 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
 def test_cuda_greedy_matches_transformers(references, arch, enforce_eager):
+    """float32, as the reference: the fp32 kernels use full-precision dots (bf16 ids drift from fp32's)."""
     folder, ref = references(arch)
-    runner = ModelRunner(make_config(folder, device="cuda", enforce_eager=enforce_eager))
-    assert (runner.decode_graphs is None) == enforce_eager
+    runner = ModelRunner(make_config(folder, device="cuda", dtype="float32", enforce_eager=enforce_eager,
+                                     max_num_seqs=len(PROMPTS)))
+    assert (runner.decode_graphs is None) == enforce_eager and runner.async_output
     sched = MiniSched(runner, 16)
     for i, p in enumerate(PROMPTS):
         sched.add(f"r{i}", p, MAX_NEW)
@@ -115,18 +124,44 @@ def test_cuda_greedy_matches_transformers(references, arch, enforce_eager):
     assert [out[f"r{i}"] for i in range(len(ref))] == ref
 
 
-@needs_cuda
-def test_cuda_graph_replay_equals_eager_for_every_size(tiny_llama):
-    """Batches of every captured size and sizes between them (padded up) give the eager tokens."""
-    def run(enforce_eager: bool, n: int) -> dict[str, list[int]]:
-        runner = ModelRunner(make_config(tiny_llama, device="cuda", enforce_eager=enforce_eager))
-        sched = MiniSched(runner, 16)
+def _cuda_runs(runner: ModelRunner, batch_sizes: tuple[int, ...]) -> dict[str, list[int]]:
+    """Batches of each size, one after another on one runner (ids of a batch of n start with f"{n}-")."""
+    sched = MiniSched(runner, 16)
+    for n in batch_sizes:
         for i in range(n):
-            sched.add(f"r{i}", PROMPTS[i % len(PROMPTS)][: 3 + i], 5)
-        return sched.run()
+            sched.add(f"{n}-{i}", PROMPTS[i % len(PROMPTS)][: 3 + i], 5)
+        sched.run()
+    return {rid: r.outputs for rid, r in sched.reqs.items()}
 
-    for n in (1, 2, 3, 4, 7, 8, 13, 16, 33, 64):
-        assert run(False, n) == run(True, n), n
+
+GRAPH_BATCH_SIZES = (1, 2, 3, 4, 7, 8, 13, 16, 33, 64)
+
+
+@needs_cuda
+def test_cuda_graph_replay_equals_padded_eager_for_every_size(tiny_llama):
+    """bf16 batches of every captured size and sizes between them: a graph replay gives the tokens of the
+    same padded forward pass run eagerly (the padded size sets the key splits and the matmul rows, so
+    only the same size can be asked to agree exactly)."""
+    config = make_config(tiny_llama, device="cuda", num_blocks=1024)
+    graphed = ModelRunner(config)
+    assert graphed.decode_graphs is not None and graphed.dtype == torch.bfloat16
+    padded_eager = ModelRunner(dataclasses.replace(config, enforce_eager=True))
+    graphs = graphed.decode_graphs
+    # The same buffers and sizes, never captured: DecodeGraphs.run runs the padded forward eagerly.
+    padded_eager.decode_graphs = DecodeGraphs(padded_eager.model, padded_eager.kv_cache, graphs.sizes[-1],
+                                              graphs.block_table.shape[1], padded_eager.device)
+    assert _cuda_runs(graphed, GRAPH_BATCH_SIZES) == _cuda_runs(padded_eager, GRAPH_BATCH_SIZES)
+
+
+@needs_cuda
+def test_cuda_async_outputs_equal_sync_outputs(tiny_llama):
+    """bf16, eager: async outputs change when the host reads the ids, never the ids."""
+    runs = []
+    for async_output in (True, False):
+        runner = ModelRunner(make_config(tiny_llama, device="cuda", enforce_eager=True, async_output=async_output))
+        assert runner.async_output == async_output
+        runs.append(_cuda_runs(runner, (4, 13)))
+    assert runs[0] == runs[1]
 
 
 def test_backend_resolution(monkeypatch):
