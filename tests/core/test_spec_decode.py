@@ -1,7 +1,8 @@
 """Draft tokens as placeholders: the scheduler's counters, step by step (docs/design.md, "Draft tokens
 as placeholders").
 
-Hand-written steps drive the scheduler with chosen worker outputs and pin every counter.
+Hand-written steps drive the scheduler with chosen worker outputs and pin every counter; the
+harness runs end to end with the scripted worker's random drafts and acceptance.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from stepahead.core.scheduler import Scheduler
 from stepahead.engine.arg_utils import EngineArgs
 from stepahead.request import Request
 from stepahead.sampling_params import SamplingParams, StructuredOutputsParams
-from tests.core.harness import EOS
+from tests.core.harness import EOS, Harness
 
 PROMPT = [5, 6, 7, 8]  # P = 4
 
@@ -249,3 +250,23 @@ def test_speculative_config_refused_until_the_worker_can_draft():
         SpeculativeConfig.from_user({"method": "ngram", "num_speculative_tokens": 4, "k": 1})
     with pytest.raises(ValueError, match="num_speculative_tokens must be >= 0"):
         SchedulerConfig(num_speculative_tokens=-1)
+
+
+@pytest.mark.parametrize("is_async,depth", [(False, 1), (True, 2), (True, 3)])
+@pytest.mark.parametrize("k", [1, 3])
+def test_scripted_drafts_give_the_scripted_tokens(is_async, depth, k):
+    """Random drafts and acceptance, a pool tight enough to preempt, chunked prefills, prefix hits."""
+    h = Harness(is_async=is_async, depth=depth, block_size=2, num_blocks=14, budget=6, max_model_len=24,
+                num_spec_tokens=k, draft_seed=depth * 10 + k)
+    plan = {f"r{i}": (1 + i % 3, 3 + 2 * i) for i in range(8)}  # eos_at, max_tokens
+    for rid, (eos_at, max_tokens) in plan.items():
+        h.add(rid, [7, 8, 9, 10, int(rid[1:])], max_tokens=max_tokens, eos_at=eos_at * 4)
+    h.run()
+    for rid, (eos_at, max_tokens) in plan.items():
+        n = min(eos_at * 4, max_tokens)
+        assert h.delivered[rid] == h.expected_tokens(rid, n), rid
+        assert h.finished[rid].finish_reason == ("stop" if eos_at * 4 <= max_tokens else "length")
+    assert 0 < h.sched.num_accepted_tokens < h.sched.num_draft_tokens
+    assert h.sched.num_preemptions > 0 or not is_async
+    assert h.sched.kv_cache_manager.prefix_cache_hits > 0
+    assert not h.sched.requests and h.sched.kv_cache_manager.num_free_blocks == 13
