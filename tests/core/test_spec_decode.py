@@ -212,6 +212,19 @@ def test_sync_drafts_come_from_the_worker():
     assert req.spec_token_ids == [14, 15, 16]
 
 
+def test_sync_proposals_of_any_length_up_to_k():
+    steps = Steps(_sched(Scheduler, k=3))
+    req = _add(steps.s)
+    steps.schedule()
+    steps.update({"r": [10]}, drafts={"r": [11]})  # a proposer may find fewer than k, or none
+    s2 = steps.schedule()
+    assert s2.num_scheduled_tokens == {"r": 2} and s2.scheduled_spec_decode_tokens == {"r": [11]}
+    steps.update({"r": [11, 12]}, drafts={"r": []})
+    s3 = steps.schedule()
+    assert s3.num_scheduled_tokens == {"r": 1} and not s3.scheduled_spec_decode_tokens
+    assert _counters(req) == (7, 7, 0, 0, 1)
+
+
 def test_sync_drafts_capped_by_max_tokens_and_ignored_after_stop():
     steps = Steps(_sched(Scheduler, k=3))
     req = _add(steps.s, max_tokens=3)
