@@ -4,10 +4,11 @@ EngineArgs (stepahead.engine.arg_utils) resolves user arguments into these; the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-from stepahead.validation import check_field
+from stepahead.validation import InvalidInputError, check_field
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_KV_CACHE_BYTES_CPU = 2 << 30
@@ -61,17 +62,64 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0  # 0: off
     debug_invariants: bool = False  # check the invariants (docs/design.md, "Invariants") after every schedule/update
+    # Draft tokens per sampling step (docs/design.md, "Draft tokens as placeholders"); 0: no speculation.
+    # EngineArgs sets it from speculative_config; the worker must propose the drafts.
+    num_speculative_tokens: int = 0
 
     def __post_init__(self) -> None:
         check_field(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "must be >= 1")
         check_field(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", self.max_num_batched_tokens, "must be >= 1")
         check_field(self.max_model_len >= 2, "max_model_len", self.max_model_len, "must be >= 2")
+        check_field(self.num_speculative_tokens >= 0, "num_speculative_tokens", self.num_speculative_tokens,
+                    "must be >= 0")
         if not self.enable_chunked_prefill:
             check_field(
                 self.max_num_batched_tokens >= self.max_model_len,
                 "max_num_batched_tokens", self.max_num_batched_tokens,
                 f"must be >= max_model_len ({self.max_model_len}) when chunked prefill is disabled",
             )
+
+
+# Proposer methods with vLLM's names; the worker runs none of them yet, so each is refused rather
+# than accepted and ignored.
+SPECULATIVE_METHODS = ("ngram", "draft_model", "suffix")
+SUPPORTED_SPECULATIVE_METHODS: tuple[str, ...] = ()
+
+
+@dataclass
+class SpeculativeConfig:
+    """vLLM's speculative_config: which proposer drafts, and how many tokens per step."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int | None = None  # ngram: shortest and longest n-gram matched
+    prompt_lookup_max: int | None = None
+
+    def __post_init__(self) -> None:
+        check_field(self.method in SPECULATIVE_METHODS, "speculative_config.method", self.method,
+                    f"must be one of {', '.join(SPECULATIVE_METHODS)}")
+        check_field(self.method in SUPPORTED_SPECULATIVE_METHODS, "speculative_config.method", self.method,
+                    "is not supported yet: the worker has no proposer for it (supported: "
+                    f"{', '.join(SUPPORTED_SPECULATIVE_METHODS) or 'none'})")
+        check_field(isinstance(self.num_speculative_tokens, int) and self.num_speculative_tokens >= 1,
+                    "speculative_config.num_speculative_tokens", self.num_speculative_tokens, "must be an int >= 1")
+
+    @classmethod
+    def from_user(cls, value: str | dict) -> SpeculativeConfig:
+        """A dict, or its JSON text (the CLI's --speculative-config); unknown keys are refused."""
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise InvalidInputError(f"speculative_config must be a JSON object, got {value!r}: {e}",
+                                        param="speculative_config") from None
+        check_field(isinstance(value, dict), "speculative_config", value, "must be a JSON object")
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - names)
+        check_field(not unknown, "speculative_config", unknown, f"has unknown keys (known: {', '.join(sorted(names))})")
+        for required in ("method", "num_speculative_tokens"):
+            check_field(required in value, "speculative_config", value, f"must set {required!r}")
+        return cls(**value)
 
 
 @dataclass

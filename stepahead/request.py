@@ -103,6 +103,13 @@ class Request:
         self.num_stale_output_tokens = 0
         self.drop_stale_output = False
         self.is_prefill_chunk = False
+        # Draft tokens to verify in the request's next step: the worker's proposals (sync scheduling),
+        # or -1 placeholders for drafts the worker keeps (async); docs/design.md, "Draft tokens as
+        # placeholders".
+        self.spec_token_ids: list[int] = []
+        # Drafts scheduled in steps whose output has not been processed, those scheduled before the
+        # last preemption excepted; part of num_output_placeholders under async scheduling.
+        self.num_in_flight_draft_tokens = 0
         self.last_sched_seq = 0
         self.num_preemptions = 0
         self.num_cached_tokens = -1
@@ -122,6 +129,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self._all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self._all_token_ids) + len(self.spec_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
@@ -145,5 +156,6 @@ class Request:
         return (
             f"Request({self.request_id!r}, status={self.status.name}, num_tokens={self.num_tokens}, "
             f"computed={self.num_computed_tokens}, placeholders={self.num_output_placeholders}, "
-            f"in_flight={self.num_in_flight_tokens}, stale={self.num_stale_output_tokens})"
+            f"in_flight={self.num_in_flight_tokens}, stale={self.num_stale_output_tokens}"
+            + (f", drafts={self.num_in_flight_draft_tokens}" if self.num_in_flight_draft_tokens else "") + ")"
         )

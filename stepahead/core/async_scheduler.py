@@ -31,6 +31,8 @@ class AsyncScheduler(Scheduler):
     def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
         super()._update_after_schedule(scheduler_output)
         requests = self.requests
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        num_spec = self.num_spec_tokens
         pending = False
         for rid in scheduler_output.num_scheduled_tokens:
             req = requests[rid]
@@ -39,8 +41,17 @@ class AsyncScheduler(Scheduler):
             # The grammar has not seen the in-flight token yet: sampling must wait for it.
             if req.use_structured_output and req.num_output_placeholders > 0:
                 pending = True
-            req.num_output_placeholders += self.num_sampled_tokens_per_step
+            # One placeholder for the sampled token, one per draft it verifies (docs/design.md,
+            # "Draft tokens as placeholders").
+            req.num_output_placeholders += self.num_sampled_tokens_per_step + len(spec_tokens.get(rid, ()))
+            if num_spec and not req.use_structured_output:
+                # The worker proposes k drafts after this step's sample and keeps them; the next
+                # step reserves their positions without knowing their ids.
+                req.spec_token_ids = [-1] * num_spec
         scheduler_output.pending_structured_output_tokens |= pending
+
+    def _update_draft_token_ids(self, req: Request, draft_token_ids: list[int] | None) -> None:
+        pass  # the drafts stay on the worker; spec_token_ids holds their placeholders
 
     def _update_request_with_output(
         self, request: Request, new_token_ids: list[int], is_stale: bool = False

@@ -22,6 +22,7 @@ class SchedulerState(Protocol):
     max_num_scheduled_tokens: int
     max_num_running_reqs: int
     max_request_len: int
+    num_spec_tokens: int
     requests: dict[str, Request]
     running: list[Request]
     waiting: deque[Request]
@@ -56,9 +57,16 @@ def check_after_schedule(sched: SchedulerState, scheduler_output: SchedulerOutpu
             _fail("I9", f"scheduled {req} is not RUNNING")
         if req.num_computed_tokens > sched.max_request_len - 1:
             _fail("I9", f"{req} computes past max_request_len - 1 = {sched.max_request_len - 1}")
+        num_drafts = len(scheduler_output.scheduled_spec_decode_tokens.get(rid, ()))
+        if num_drafts and (req.is_prefill_chunk or num_drafts > sched.num_spec_tokens or num_drafts >= num_scheduled):
+            _fail("S1", f"{num_drafts} drafts in a step of {num_scheduled} tokens (chunk {req.is_prefill_chunk}, "
+                        f"k {sched.num_spec_tokens}): {req}")
+        # With every draft in flight accepted, the request holds num_computed + 1 tokens.
+        if num_drafts and req.num_computed_tokens + 1 > req.num_prompt_tokens + req.max_tokens:
+            _fail("S2", f"drafts scheduled past max_tokens: {req}")
         placeholders_before_step = req.num_output_placeholders
         if not req.is_prefill_chunk and sched.uses_placeholders:
-            placeholders_before_step -= 1  # the placeholder this step just added
+            placeholders_before_step -= 1 + num_drafts  # the placeholders this step just added
         is_chunk = req.num_computed_tokens < req.num_tokens + placeholders_before_step
         if is_chunk != req.is_prefill_chunk:
             _fail("I4", f"is_prefill_chunk={req.is_prefill_chunk} but computed < num_tokens + placeholders "
@@ -81,8 +89,11 @@ def check_scheduler(sched: SchedulerState, in_flight: list[SchedulerOutput] | No
         if r.status not in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_GRAMMAR, RequestStatus.PREEMPTED):
             _fail("queues", f"{r} in waiting")
     in_flight_tokens: Counter[str] = Counter()
+    in_flight_drafts: Counter[str] = Counter()
     for scheduler_output in in_flight or ():
         in_flight_tokens.update(scheduler_output.num_scheduled_tokens)
+        for rid, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
+            in_flight_drafts[rid] += len(drafts)
     for rid, req in sched.requests.items():
         if req.request_id != rid:
             _fail("requests", f"{rid} maps to {req}")
@@ -100,8 +111,12 @@ def check_scheduler(sched: SchedulerState, in_flight: list[SchedulerOutput] | No
             expected = in_flight_tokens[rid] - sched.finished_in_flight_tokens.get(rid, 0)
             if num_in_flight != expected:
                 _fail("I2", f"in flight {num_in_flight} != tokens of unprocessed steps {expected}: {req}")
+        _check_drafts(sched, req, in_flight_drafts[rid] if in_flight is not None else None)
         if req.status == RequestStatus.RUNNING and not req.is_prefill_chunk:
+            # Positions of drafts still in flight are computed but not yet tokens (sync) or placeholders (async).
             num_tokens, num_computed = req.num_tokens, req.num_computed_tokens
+            if not uses_placeholders:
+                num_computed -= req.num_in_flight_draft_tokens
             if uses_placeholders and num_tokens + num_placeholders != num_computed + 1:
                 _fail("I3", f"num_tokens + placeholders != computed + 1: {req}")
             if not uses_placeholders and not (num_computed <= num_tokens <= num_computed + 1):
@@ -117,6 +132,23 @@ def check_scheduler(sched: SchedulerState, in_flight: list[SchedulerOutput] | No
         if seq_gap != num_non_empty:
             _fail("I12", f"seq gap {seq_gap} != {num_non_empty} in flight")
     check_kv(sched)
+
+
+def _check_drafts(sched: SchedulerState, req: Request, in_flight_drafts: int | None) -> None:
+    """S3-S5: the draft counters (docs/design.md, "Draft tokens as placeholders")."""
+    num_drafts = req.num_in_flight_draft_tokens
+    if num_drafts < 0 or num_drafts > req.num_in_flight_tokens:
+        _fail("S3", f"in-flight drafts outside [0, in flight]: {req}")
+    if sched.uses_placeholders and num_drafts > req.num_output_placeholders:
+        _fail("S3", f"in-flight drafts > placeholders: {req}")
+    if req.status != RequestStatus.RUNNING and (num_drafts or req.spec_token_ids):
+        _fail("S4", f"drafts on a request that is not running: {req} {req.spec_token_ids}")
+    if len(req.spec_token_ids) > sched.num_spec_tokens:
+        _fail("S4", f"{len(req.spec_token_ids)} drafts > num_speculative_tokens {sched.num_spec_tokens}: {req}")
+    # Exact where no pre-preemption step or earlier holder of the id is still in flight.
+    if (in_flight_drafts is not None and not req.num_stale_output_tokens
+            and req.request_id not in sched.finished_in_flight_tokens and num_drafts != in_flight_drafts):
+        _fail("S5", f"in-flight drafts {num_drafts} != drafts of unprocessed steps {in_flight_drafts}: {req}")
 
 
 def check_kv(sched: SchedulerState) -> None:

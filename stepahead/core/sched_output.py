@@ -61,6 +61,10 @@ class SchedulerOutput:
     # (docs/design.md, "Deferred sampling for grammars").
     pending_structured_output_tokens: bool = False
     step_id: int = 0  # the scheduler's step counter, for traces
+    # Draft tokens each request verifies in this step, after its last known token: the proposed ids
+    # (sync scheduling), or -1 placeholders the worker fills with its own drafts (async). A request
+    # with drafts is scheduled for 1 + len(drafts) positions ending with them; it samples 1..that many.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @staticmethod
     def make_empty(finished_req_ids: set[str] | None = None, step_id: int = 0) -> SchedulerOutput:
@@ -79,7 +83,8 @@ class TokenLogprobs:
 @dataclass
 class ModelRunnerOutput:
     req_ids: list[str]
-    # Per request, in req_ids order: [] for a partial prefill, else the sampled token(s).
+    # Per request, in req_ids order: [] for a partial prefill, else the sampled token(s): with k drafts
+    # verified, the accepted drafts and one more, 1..k+1 ids.
     sampled_token_ids: list[list[int]]
     # Per request id with logprobs requested: one entry per sampled token.
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
@@ -91,6 +96,9 @@ class ModelRunnerOutput:
     # Requests whose sampling failed this step, with the reason: they fail alone (their entry in
     # sampled_token_ids is a stand-in, never delivered).
     failed: dict[str, str] = field(default_factory=dict)
+    # Drafts proposed after this step's sampling, per request id: the synchronous scheduler schedules
+    # them next step; the async one ignores them (the worker keeps its drafts and fills placeholders).
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @staticmethod
     def empty() -> ModelRunnerOutput:

@@ -65,6 +65,7 @@ class Scheduler:
         self.max_num_running_reqs = scheduler_config.max_num_seqs
         self.max_num_scheduled_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
+        self.num_spec_tokens = scheduler_config.num_speculative_tokens
         self.kv_cache_manager = KVCacheManager(cache_config, scheduler_config.max_model_len)
         self.structured_output_manager: StructuredOutputBackend | None = None
         self.error_outputs: list[EngineCoreOutput] = []
@@ -91,6 +92,9 @@ class Scheduler:
         self.num_preemptions = 0
         # Step slots computed for requests that had already finished (outputs discarded).
         self.num_wasted_request_steps = 0
+        # Drafts verified and accepted, over every delivered output (vLLM's spec-decode counters).
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
         # Finished requests with steps still in flight: id -> their in-flight tokens. Lets those
         # steps' outputs be discarded even if the same id is re-added meanwhile.
         self.finished_in_flight_tokens: dict[str, int] = {}
@@ -180,15 +184,16 @@ class Scheduler:
             req = running[i]
             num_placeholders = req.num_output_placeholders
             num_computed = req.num_computed_tokens
-            # The max_tokens guard: once the steps in flight return, the request holds
-            # num_tokens + num_placeholders tokens (every placeholder is one sure token). If that
-            # reaches its cap, another step would only compute for a finished request
-            # (docs/design.md, "The max_tokens guard").
-            if num_placeholders > 0 and req.num_tokens + num_placeholders >= req.num_prompt_tokens + req.max_tokens:
+            # The max_tokens guard: once the steps in flight return, the request holds at least
+            # num_tokens + the placeholders that are not drafts (each is one sure token; drafts may
+            # all be rejected). If that reaches its cap, another step would only compute for a
+            # finished request (docs/design.md, "The max_tokens guard").
+            num_sure = num_placeholders - req.num_in_flight_draft_tokens
+            if num_placeholders > 0 and req.num_tokens + num_sure >= req.num_prompt_tokens + req.max_tokens:
                 i += 1
                 continue
-            # The gap formula (docs/design.md, "The gap formula").
-            num_new = req.num_tokens + num_placeholders - num_computed
+            # The gap formula (docs/design.md, "The gap formula"), with this step's drafts.
+            num_new = req.num_tokens + self._num_drafts_allowed(req) + num_placeholders - num_computed
             if 0 < threshold < num_new:
                 num_new = threshold
             num_new = min(num_new, plan.token_budget, max_request_len - num_computed - 1)
@@ -211,7 +216,23 @@ class Scheduler:
             plan.running.append(req)
             plan.schedule(req, num_new)
             plan.new_blocks_of[req.request_id] = [b.block_id for b in new_blocks] if new_blocks else None
+            if req.spec_token_ids:
+                # The positions past the known tokens and the placeholders are this step's drafts
+                # (fewer than proposed where a cap cut num_new).
+                num_spec = num_new + num_computed - req.num_tokens - num_placeholders
+                if num_spec > 0:
+                    plan.spec_tokens[req.request_id] = req.spec_token_ids[:num_spec]
+                req.spec_token_ids = []
             i += 1
+
+    @staticmethod
+    def _num_drafts_allowed(req: Request) -> int:
+        """The request's drafts, never more than max_tokens leaves room for, counting every in-flight
+        placeholder as a token (conservative: an accepted run past max_tokens is wasted compute)."""
+        if not req.spec_token_ids:
+            return 0
+        room = req.num_prompt_tokens + req.max_tokens - req.num_tokens - req.num_output_placeholders - 1
+        return max(0, min(len(req.spec_token_ids), room))
 
     def _schedule_waiting(self, plan: StepPlan) -> None:
         """Skipped (stale-gated) then waiting requests, in order, while blocks and seats last; never preempts."""
@@ -302,6 +323,8 @@ class Scheduler:
             req.is_prefill_chunk = req.num_computed_tokens < req.num_tokens + req.num_output_placeholders
             if req.use_structured_output and not req.is_prefill_chunk:
                 has_grammar_requests = True
+        for rid, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
+            requests[rid].num_in_flight_draft_tokens += len(drafts)
         scheduler_output.has_structured_output_requests = has_grammar_requests
         # Replace, never clear: the output just built holds references to these sets (P13).
         self.finished_req_ids = set()
@@ -327,6 +350,7 @@ class Scheduler:
         stopped_preempted: list[Request] = []
         grammar_manager = self.structured_output_manager
         failed = model_runner_output.failed
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         for rid, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             if self._discard_finished_in_flight(rid, num_scheduled):
                 continue
@@ -339,6 +363,10 @@ class Scheduler:
                 is_stale = True
                 req.num_stale_output_tokens -= num_scheduled
                 assert req.num_stale_output_tokens >= 0, req
+            num_drafts = len(spec_tokens[rid]) if rid in spec_tokens else 0
+            if num_drafts and not is_stale:  # preemption zeroed the stale share's drafts
+                req.num_in_flight_draft_tokens -= num_drafts
+                assert req.num_in_flight_draft_tokens >= 0, req
             if is_stale and req.drop_stale_output:
                 continue
             if rid in failed:
@@ -347,6 +375,9 @@ class Scheduler:
             sampled = sampled_rows[row] if row is not None else ()
             if not sampled:
                 continue  # a prefill chunk: nothing sampled, nothing emitted
+            if num_drafts:
+                assert len(sampled) <= 1 + num_drafts, f"{rid}: {len(sampled)} tokens from {num_drafts} drafts"
+                self._reconcile_drafts(req, num_drafts, len(sampled) - 1, is_stale)
             status_before = req.status
             is_first_output = req.num_output_tokens == 0
             new_ids, stopped = self._update_request_with_output(req, list(sampled), is_stale)
@@ -361,6 +392,8 @@ class Scheduler:
                     # The grammar took an end token the stop rules let through (ignore_eos): it is done.
                     req.status = RequestStatus.FINISHED_STOPPED
                     stopped = True
+            if not stopped and not is_stale and self.num_spec_tokens:
+                self._update_draft_token_ids(req, model_runner_output.draft_token_ids.get(rid))
             finish_reason = None
             if stopped:
                 finish_reason = req.get_finished_reason()
@@ -383,6 +416,26 @@ class Scheduler:
         if self.debug_invariants:
             check_scheduler(self, list(self._debug_in_flight))
         return outputs
+
+    def _reconcile_drafts(self, req: Request, num_drafts: int, num_accepted: int, is_stale: bool) -> None:
+        """Roll back the rejected drafts' positions before the accepted tokens are appended. Their KV
+        slots stay allocated and are overwritten by the next step. A stale output rolls back
+        nothing: preemption reset the counters."""
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        if is_stale:
+            return
+        num_rejected = num_drafts - num_accepted
+        req.num_computed_tokens -= num_rejected
+        if self.uses_placeholders:
+            req.num_output_placeholders -= num_rejected
+
+    def _update_draft_token_ids(self, req: Request, draft_token_ids: list[int] | None) -> None:
+        """Keep the worker's proposals for the request's next step (synchronous scheduling; the async
+        scheduler overrides this: its worker keeps the drafts). Grammar requests draft nothing: their
+        drafts would need the grammar's check first."""
+        if draft_token_ids and not req.use_structured_output:
+            req.spec_token_ids = list(draft_token_ids[:self.num_spec_tokens])
 
     def _grammar_accept(self, req: Request, new_ids: list[int]) -> str | None:
         """Advance the request's grammar; why it failed (a rejected token, a matcher error), or None."""
@@ -437,6 +490,8 @@ class Scheduler:
         # Assign, not add: the in-flight count already holds any undrained stale share.
         request.num_stale_output_tokens = request.num_in_flight_tokens
         request.num_output_placeholders = 0
+        request.num_in_flight_draft_tokens = 0
+        request.spec_token_ids = []  # re-admission is a prefill; drafts come after its first sample
         request.is_prefill_chunk = False
         request.num_preemptions += 1
         self.num_preemptions += 1

@@ -25,6 +25,7 @@ class StepPlan:
     new: list[Request] = field(default_factory=list)  # admitted for the first time
     resumed: list[Request] = field(default_factory=list)  # admitted again after a preemption
     preempted: list[Request] = field(default_factory=list)
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)  # drafts scheduled per request
 
     @classmethod
     def with_budget(cls, max_num_scheduled_tokens: int) -> StepPlan:
@@ -55,6 +56,7 @@ def make_scheduler_output(plan: StepPlan, kv: KVCacheManager, prev_step_req_ids:
         finished_req_ids=finished_req_ids,
         preempted_req_ids=preempted_req_ids,
         step_id=step_id,
+        scheduled_spec_decode_tokens=plan.spec_tokens,
     )
 
 

@@ -19,6 +19,7 @@ from stepahead.config import (
     EngineConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 from stepahead.utils import cdiv
 from stepahead.validation import check_field
@@ -102,6 +103,9 @@ class EngineArgs:
     pipeline_parallel_size: int = _arg(
         1, "pipeline stages the layers are split across; that many steps are in flight (one more with async "
            "scheduling)")
+    speculative_config: str | dict | None = _arg(
+        None, "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
+              "(no method is supported yet: each is refused)")
     distributed_executor_backend: str | None = _arg(
         None, "how worker ranks run: 'mp' (processes on this machine), 'ray' (a Ray cluster's nodes; pip install "
               "'stepahead[ray]'), 'uni' (one worker thread); overrides --executor (default: --executor, mp)")
@@ -118,10 +122,15 @@ class EngineArgs:
                     "max_concurrent_batches", self.max_concurrent_batches, "must be >= 1")
         check_field(self.distributed_executor_backend in (None, "mp", "ray", "uni"), "distributed_executor_backend",
                     self.distributed_executor_backend, "must be one of mp, ray, uni")
+        if self.speculative_config is not None:
+            SpeculativeConfig.from_user(self.speculative_config)  # refuses what the worker cannot run
         world_size = self.parallel_config().world_size
         check_field(world_size == 1 or self.resolve_executor() != "uni", "distributed_executor_backend",
                     "uni", f"runs one worker in the engine process; tensor_parallel_size={self.tensor_parallel_size} x "
                            f"pipeline_parallel_size={self.pipeline_parallel_size} ranks need mp or ray")
+
+    def resolve_speculative_config(self) -> SpeculativeConfig | None:
+        return None if self.speculative_config is None else SpeculativeConfig.from_user(self.speculative_config)
 
     def resolve_executor(self) -> str:
         return self.distributed_executor_backend or self.executor
@@ -167,6 +176,8 @@ class EngineArgs:
             max_model_len=max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
             debug_invariants=self.debug_invariants,
+            num_speculative_tokens=self.resolve_speculative_config().num_speculative_tokens
+            if self.speculative_config is not None else 0,
         )
         blocks_per_seq = cdiv(max_model_len, self.block_size)
         # No need for more than every sequence at full length.

@@ -10,11 +10,21 @@ that is not this request's context) raises WorkerStateError, which fails the ste
 The sampled token is a pure function of (request id, output index), with end-of-sequence at a
 scripted 1-based output position, so async, sync, preempted and prefix-cached runs must all agree.
 ScriptedExecutor runs the worker in a real thread and answers with real futures.
+
+With num_speculative_tokens = k > 0 (given to the worker as a real one gets it from its config), the
+worker proposes k drafts after every sample: a random-length run of the right tokens, then wrong
+ones. A step that schedules drafts writes them into the KV cache after the last known token; the
+verification accepts drafts while they equal the scripted tokens and adds the next scripted token,
+so the output is the same as without drafts, and the rejected positions are rolled back on the
+worker at once (as vLLM's runner corrects its positions before the next step). The scheduler's
+counts run ahead by the rejections of steps it has not processed yet; the worker checks that gap.
+Drafts are reported in draft_token_ids for the synchronous scheduler, which sends them back.
 """
 
 from __future__ import annotations
 
 import queue
+import random
 import threading
 import time
 import zlib
@@ -53,16 +63,30 @@ class _ReqState:
     token_ids: list[int]  # prompt + every token this worker sampled (or was sent)
     block_ids: list[int]
     num_computed_tokens: int
+    drafts: list[int] = field(default_factory=list)  # proposed after the last sample
+    # Drafts rejected by the latest sampling steps, newest last: the scheduler's counts exceed the
+    # worker's by the rejections of the steps it has not processed yet (a suffix of these).
+    recent_rejections: list[int] = field(default_factory=list)
+
+    def unprocessed_rejections(self) -> set[int]:
+        sums, total = {0}, 0
+        for rejected in reversed(self.recent_rejections):
+            total += rejected
+            sums.add(total)
+        return sums
 
 
 class ScriptedWorker:
-    def __init__(self, model: ScriptedModel, block_size: int, num_blocks: int, verify_kv: bool = True) -> None:
+    def __init__(self, model: ScriptedModel, block_size: int, num_blocks: int, verify_kv: bool = True,
+                 num_speculative_tokens: int = 0, draft_seed: int = 0) -> None:
         self.model = model
+        self.num_speculative_tokens = num_speculative_tokens
+        self.draft_rng = random.Random(draft_seed)
         self.block_size = block_size
         self.verify_kv = verify_kv
         self.kv: list[tuple[int, int] | None] = [None] * (block_size * num_blocks)
         self.states: dict[str, _ReqState] = {}
-        self._pending: list[tuple[str, bool]] | None = None  # (req id, samples) of the executed step
+        self._pending: list[tuple[str, bool, int]] | None = None  # (req id, samples, drafts) of the executed step
         self.num_steps = 0
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
@@ -76,20 +100,26 @@ class ScriptedWorker:
         cached = scheduler_output.scheduled_cached_reqs
         for k, rid in enumerate(cached.req_ids):
             self._update_cached(rid, k, cached)
-        rows: list[tuple[str, bool]] = []
+        rows: list[tuple[str, bool, int]] = []
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         for rid, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             state = self.states.get(rid)
             if state is None:
                 raise WorkerStateError(f"step {scheduler_output.step_id} schedules unknown request {rid}")
+            drafts = self._scheduled_drafts(rid, state, spec_tokens.get(rid, ()))
+            known = state.token_ids + drafts
             start = state.num_computed_tokens
-            if start + num_scheduled > len(state.token_ids):
+            if start + num_scheduled > len(known):
                 raise WorkerStateError(
                     f"{rid}: positions {start}..{start + num_scheduled - 1} scheduled, but the worker knows only "
-                    f"{len(state.token_ids)} tokens (a placeholder it cannot fill)")
+                    f"{len(known)} tokens (a placeholder it cannot fill)")
             for pos in range(start, start + num_scheduled):
-                self._write_kv(rid, state, pos)
+                self._write_kv(rid, pos, known[pos], state)
             state.num_computed_tokens = start + num_scheduled
-            rows.append((rid, state.num_computed_tokens == len(state.token_ids)))
+            samples = state.num_computed_tokens == len(known)
+            if drafts and not samples:
+                raise WorkerStateError(f"{rid}: drafts scheduled in a step that does not reach them")
+            rows.append((rid, samples, len(drafts)))
         if not rows:
             return ModelRunnerOutput.empty()
         self._pending = rows
@@ -101,18 +131,61 @@ class ScriptedWorker:
             raise WorkerStateError("sample_tokens without an executed step")
         rows, self._pending = self._pending, None
         req_ids, sampled = [], []
-        for rid, samples in rows:
+        draft_token_ids: dict[str, list[int]] = {}
+        for rid, samples, num_drafts in rows:
             state = self.states[rid]
             req_ids.append(rid)
             if not samples:  # partial prefill: the sample is discarded
                 sampled.append([])
                 continue
+            tokens = self._verify(rid, state, num_drafts)
             if self.verify_kv:
                 self._verify_context(rid, state)
-            token_id = self.model.token(rid, len(state.token_ids) - state.prompt_len)
-            state.token_ids.append(token_id)
-            sampled.append([token_id])
-        return ModelRunnerOutput(req_ids, sampled)
+            state.token_ids.append(tokens[-1])
+            sampled.append(tokens)
+            if self.num_speculative_tokens:
+                state.drafts = self._propose(rid, state)
+                draft_token_ids[rid] = list(state.drafts)
+        return ModelRunnerOutput(req_ids, sampled, draft_token_ids=draft_token_ids)
+
+    def _scheduled_drafts(self, rid: str, state: _ReqState, scheduled: list[int]) -> list[int]:
+        """This step's drafts: the worker's own (async sends -1 placeholders; sync sends them back)."""
+        if not scheduled:
+            return []
+        drafts = state.drafts[:len(scheduled)]
+        if len(drafts) < len(scheduled):
+            raise WorkerStateError(f"{rid}: {len(scheduled)} drafts scheduled, {len(state.drafts)} proposed")
+        if any(d != -1 for d in scheduled) and list(scheduled) != drafts:
+            raise WorkerStateError(f"{rid}: scheduled drafts {scheduled} are not the proposed {drafts}")
+        return drafts
+
+    def _verify(self, rid: str, state: _ReqState, num_drafts: int) -> list[int]:
+        """Greedy verification: accepted drafts join the context (their KV is written); then the token
+        after them. Rejected positions are rolled back."""
+        num_output = len(state.token_ids) - state.prompt_len
+        accepted: list[int] = []
+        for j, draft in enumerate(state.drafts[:num_drafts]):
+            if draft != self.model.token(rid, num_output + j):
+                break
+            accepted.append(draft)
+        state.token_ids.extend(accepted)
+        rejected = num_drafts - len(accepted)
+        state.num_computed_tokens -= rejected
+        if self.num_speculative_tokens:
+            state.recent_rejections = (state.recent_rejections + [rejected])[-4:]
+        return accepted + [self.model.token(rid, num_output + len(accepted))]
+
+    def _propose(self, rid: str, state: _ReqState) -> list[int]:
+        """k drafts: a random number of right tokens, then wrong ones."""
+        k = self.num_speculative_tokens
+        num_right = self.draft_rng.randint(0, k)
+        num_output = len(state.token_ids) - state.prompt_len
+        span = self.model.vocab_size - 3
+        drafts = []
+        for j in range(k):
+            token_id = self.model.token(rid, num_output + j)
+            drafts.append(token_id if j < num_right else 3 + (token_id - 2) % span)
+        return drafts
 
     def _update_cached(self, rid: str, k: int, cached: CachedRequestData) -> None:
         state = self.states.get(rid)
@@ -123,6 +196,15 @@ class ScriptedWorker:
         num_output = cached.num_output_tokens[k]
         if state is None:
             raise WorkerStateError(f"{rid}: history resent for a request the worker never saw")
+        ahead = 0  # the scheduler's counts include rejections of steps it has not processed
+        if resumed:
+            state.drafts, state.recent_rejections = [], []
+        else:
+            ahead = cached.num_computed_tokens[k] - state.num_computed_tokens
+            if ahead not in state.unprocessed_rejections():
+                raise WorkerStateError(f"{rid}: worker computed {state.num_computed_tokens}, scheduler says "
+                                       f"{cached.num_computed_tokens[k]}")
+        num_output -= ahead
         if all_ids is not None:
             common = min(len(all_ids), len(state.token_ids))
             if state.token_ids[:common] != all_ids[:common]:
@@ -131,9 +213,6 @@ class ScriptedWorker:
             # plus placeholders): anything past that was sampled by a step whose output it dropped.
             longer = state.token_ids if len(state.token_ids) >= len(all_ids) else all_ids
             state.token_ids = list(longer[:state.prompt_len + num_output])
-        if not resumed and state.num_computed_tokens != cached.num_computed_tokens[k]:
-            raise WorkerStateError(f"{rid}: worker computed {state.num_computed_tokens}, scheduler says "
-                                   f"{cached.num_computed_tokens[k]}")
         if len(state.token_ids) - state.prompt_len != num_output:
             raise WorkerStateError(f"{rid}: worker holds {len(state.token_ids) - state.prompt_len} output tokens, "
                                    f"scheduler counts {num_output} (real + placeholders)")
@@ -142,7 +221,7 @@ class ScriptedWorker:
             state.block_ids = list(new_blocks or [])
         elif new_blocks:
             state.block_ids.extend(new_blocks)
-        state.num_computed_tokens = cached.num_computed_tokens[k]
+        state.num_computed_tokens = cached.num_computed_tokens[k] - ahead
 
     def _slot(self, rid: str, state: _ReqState, pos: int) -> int:
         block_index = pos // self.block_size
@@ -150,8 +229,8 @@ class ScriptedWorker:
             raise WorkerStateError(f"{rid}: no block for position {pos} (table {state.block_ids})")
         return state.block_ids[block_index] * self.block_size + pos % self.block_size
 
-    def _write_kv(self, rid: str, state: _ReqState, pos: int) -> None:
-        self.kv[self._slot(rid, state, pos)] = (state.token_ids[pos], pos)
+    def _write_kv(self, rid: str, pos: int, token_id: int, state: _ReqState) -> None:
+        self.kv[self._slot(rid, state, pos)] = (token_id, pos)
 
     def _verify_context(self, rid: str, state: _ReqState) -> None:
         for pos, token_id in enumerate(state.token_ids):
@@ -165,8 +244,9 @@ class ScriptedExecutor(Executor):
 
     def __init__(self, model: ScriptedModel, block_size: int, num_blocks: int, *, verify_kv: bool = True,
                  step_delay_s: float = 0.0, fail_at_step: int | None = None,
-                 on_step: Callable[[ScriptedWorker], None] | None = None) -> None:
-        self.worker = ScriptedWorker(model, block_size, num_blocks, verify_kv)
+                 on_step: Callable[[ScriptedWorker], None] | None = None, num_speculative_tokens: int = 0,
+                 draft_seed: int = 0) -> None:
+        self.worker = ScriptedWorker(model, block_size, num_blocks, verify_kv, num_speculative_tokens, draft_seed)
         self.step_delay_s = step_delay_s
         self.fail_at_step = fail_at_step
         self.on_step = on_step

@@ -120,6 +120,9 @@ class ModelRunner:
         # This rank's place among tensor and pipeline ranks (docs/design.md, "Tensor and pipeline parallelism").
         self.ps = ps
         model_config, cache_config, sched_config = config.model_config, config.cache_config, config.scheduler_config
+        if sched_config.num_speculative_tokens:  # drafts would be scheduled that nothing here proposes
+            raise ValueError(f"num_speculative_tokens must be 0: the model runner has no proposer yet, got "
+                             f"{sched_config.num_speculative_tokens}")
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(model_config.seed)

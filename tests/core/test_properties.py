@@ -1,4 +1,5 @@
-"""Property tests: random adds, steps, outputs with random EOS, aborts, resets and tight pools.
+"""Property tests: random adds, steps, outputs with random EOS, aborts, resets and tight pools, with
+and without random drafts and acceptance.
 
 The harness checks the invariants after every operation; at the end every request must have
 received exactly the scripted tokens (async == sync, preempted == unpreempted, cached == uncached)
@@ -6,6 +7,8 @@ and the pool must be whole again.
 """
 
 from __future__ import annotations
+
+import os
 
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -25,6 +28,8 @@ configs = st.fixed_dictionaries({
     "max_model_len": st.integers(8, 40),
     "caching": st.booleans(),
     "defer": st.booleans(),
+    "num_spec_tokens": st.sampled_from([0, 0, 1, 2, 4]),
+    "draft_seed": st.integers(0, 1000),
 })
 
 ops = st.lists(
@@ -46,7 +51,9 @@ def _expected(h: Harness, rid: str, prompt_len: int, max_tokens: int, eos_at: in
     return limit, "length"
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# STEPAHEAD_FUZZ_EXAMPLES raises the count for a long local run.
+@settings(max_examples=int(os.environ.get("STEPAHEAD_FUZZ_EXAMPLES", 600)), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(cfg=configs, program=ops, data=st.data())
 def test_random_programs_keep_invariants_and_tokens(cfg, program, data):
     cfg = dict(cfg)
@@ -94,6 +101,9 @@ def test_random_programs_keep_invariants_and_tokens(cfg, program, data):
     event(f"preempted: {h.sched.num_preemptions > 0}")
     event(f"wasted: {h.sched.num_wasted_request_steps > 0}")
     event(f"prefix hits: {h.sched.kv_cache_manager.prefix_cache_hits > 0}")
+    if cfg["num_spec_tokens"]:
+        event(f"drafts rejected: {h.sched.num_accepted_tokens < h.sched.num_draft_tokens}")
+        event(f"drafts accepted: {h.sched.num_accepted_tokens > 0}")
     kv = h.sched.kv_cache_manager
     assert kv.num_free_blocks == kv.num_usable_blocks and not h.sched.deferred_frees
     assert not h.sched.requests and not h.sched.finished_in_flight_tokens

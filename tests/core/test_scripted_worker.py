@@ -53,3 +53,37 @@ def test_computed_count_disagreement_is_caught():
     off = CachedRequestData(["a"], new_block_ids=[None], num_computed_tokens=[2], num_output_tokens=[1])
     with pytest.raises(WorkerStateError, match="worker computed 3"):
         w.execute_model(_so(cached=off, sched={"a": 1}, step=2))
+
+
+def _so_drafts(sched, drafts, computed, num_output, step):
+    cached = CachedRequestData(["a"], new_block_ids=[None], num_computed_tokens=[computed], num_output_tokens=[num_output])
+    so = _so(cached=cached, sched=sched, step=step)
+    so.scheduled_spec_decode_tokens = drafts
+    return so
+
+
+def test_drafts_other_than_proposed_are_caught():
+    w = ScriptedWorker(ScriptedModel(), block_size=4, num_blocks=8, num_speculative_tokens=2)
+    out = _step(w, _so([_new("a", [5, 6, 7], [1, 2])], sched={"a": 3}))
+    proposed = out.draft_token_ids["a"]
+    assert len(proposed) == 2
+    with pytest.raises(WorkerStateError, match="not the proposed"):
+        w.execute_model(_so_drafts({"a": 3}, {"a": [proposed[0], proposed[1] + 1]}, 3, 1, 2))
+    with pytest.raises(WorkerStateError, match="3 drafts scheduled, 2 proposed"):
+        w.execute_model(_so_drafts({"a": 4}, {"a": [-1, -1, -1]}, 3, 1, 2))
+
+
+def test_rejections_roll_back_and_the_scheduler_gap_is_checked():
+    model = ScriptedModel()
+    w = ScriptedWorker(model, block_size=4, num_blocks=8, num_speculative_tokens=2)
+    _step(w, _so([_new("a", [5, 6, 7], [1, 2])], sched={"a": 3}))
+    w.states["a"].drafts = [model.token("a", 1), 999]  # the second draft is wrong
+    out = _step(w, _so_drafts({"a": 3}, {"a": [-1, -1]}, 3, 1, 2))
+    assert out.sampled_token_ids == [[model.token("a", 1), model.token("a", 2)]]
+    assert w.states["a"].num_computed_tokens == 5  # 6 scheduled positions, 1 rolled back
+    # The scheduler, not having processed that step, counts 6 computed and 4 outputs: accepted.
+    w.execute_model(_so_drafts({"a": 3}, {"a": [-1, -1]}, 6, 4, 3))
+    w.sample_tokens(None)
+    with pytest.raises(WorkerStateError, match="worker computed"):
+        # A gap that no suffix of the recent rejections explains.
+        w.execute_model(_so_drafts({"a": 1}, {}, w.states["a"].num_computed_tokens + 7, 6, 4))

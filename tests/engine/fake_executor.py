@@ -61,11 +61,12 @@ def make_model_config(max_model_len: int) -> ModelConfig:
 def make_engine(*, async_scheduling: bool = True, depth: int | None = None, block_size: int = 4,
                 num_blocks: int = 128, budget: int = 64, max_num_seqs: int = 16, max_model_len: int = 256,
                 caching: bool = True, defer: bool = False, trace: bool = False, eos_at: dict | None = None,
-                **executor_kw) -> tuple[EngineCore, FakeExecutor]:
+                num_spec_tokens: int = 0, **executor_kw) -> tuple[EngineCore, FakeExecutor]:
     config = EngineConfig(
         model_config=make_model_config(max_model_len),
         scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                                         max_model_len=max_model_len, debug_invariants=True),
+                                         max_model_len=max_model_len, debug_invariants=True,
+                                         num_speculative_tokens=num_spec_tokens),
         cache_config=CacheConfig(block_size=block_size, num_blocks=num_blocks,
                                  enable_prefix_caching=caching, defer_block_free=defer),
         async_scheduling=async_scheduling,
@@ -76,7 +77,7 @@ def make_engine(*, async_scheduling: bool = True, depth: int | None = None, bloc
         structured_outputs_backend="none",
     )
     executor = FakeExecutor(ScriptedModel(eos_token_id=EOS, eos_at=dict(eos_at or {})), block_size, num_blocks,
-                            **executor_kw)
+                            num_speculative_tokens=num_spec_tokens, **executor_kw)
     return EngineCore(config, executor), executor
 
 

@@ -219,13 +219,15 @@ def test_reset_prefix_cache_mid_run_keeps_token_streams():
 
 @settings(max_examples=25, deadline=None)
 @given(mode=st.sampled_from(MODES), seed=st.integers(0, 10_000),
-       n=st.integers(1, 6), num_blocks=st.integers(12, 40), budget=st.integers(4, 32))
-def test_engine_token_streams_property(mode, seed, n, num_blocks, budget):
-    """Random workloads under tight pools: every request gets exactly its scripted tokens."""
+       n=st.integers(1, 6), num_blocks=st.integers(12, 40), budget=st.integers(4, 32),
+       num_spec_tokens=st.sampled_from([0, 0, 3]))
+def test_engine_token_streams_property(mode, seed, n, num_blocks, budget, num_spec_tokens):
+    """Random workloads under tight pools, with or without random drafts: every request gets exactly its
+    scripted tokens."""
     is_async, depth = mode
     rng = random.Random(seed)
     core, ex = make_engine(async_scheduling=is_async, depth=depth, num_blocks=num_blocks, budget=budget,
-                           max_model_len=40)
+                           max_model_len=40, num_spec_tokens=num_spec_tokens, draft_seed=seed)
     plan = {}
     for i in range(n):
         rid = f"q{i}"
