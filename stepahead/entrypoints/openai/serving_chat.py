@@ -141,6 +141,10 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
         model_name = self.check_request(req)
+        if req.echo:
+            raise APIError("echo is not supported by this server for chat completions", 400, "echo")
+        if req.tool_choice not in (None, "none") and not req.tools:
+            raise APIError("When using `tool_choice`, `tools` must be set.", 400, "tool_choice")
         if req.tools:
             raise APIError("tools are not supported by this server", 400, "tools")
         top_logprobs = self._top_logprobs(req)
