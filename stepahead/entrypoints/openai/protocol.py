@@ -102,10 +102,23 @@ class TextPart(OpenAIRequest):
     text: str | None = None
 
 
+class ToolCallFunction(OpenAIRequest):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(OpenAIRequest):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(OpenAIRequest):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a role "tool" message: the call it answers
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -121,7 +134,8 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: str | None = None  # refused unless the server trusts request templates
     echo: bool = False  # refused: the last message is not echoed
     tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # default: "auto" with tools, else "none"
+    parallel_tool_calls: bool | None = True
 
 
 class TokenizeRequest(OpenAIRequest):
@@ -195,6 +209,7 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)  # {id, type: "function", function: {name, arguments}}
 
 
 class ChatChoice(BaseModel):

@@ -59,6 +59,8 @@ def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]],
 
 
 class OpenAIServingCompletion(OpenAIServing):
+    EMPTY_BODY = {"text": ""}
+
     async def create(self, req: CompletionRequest, raw_request: Request) -> Response:
         model_name = self.check_request(req)
         if req.suffix:
@@ -123,8 +125,8 @@ class OpenAIServingCompletion(OpenAIServing):
             return prompt + completion.text
         return completion.text
 
-    def delta_body(self, text: str) -> dict:
-        return {"text": text}
+    def delta_body(self, ctx: ResponseContext, choice: _CompletionChoice, text: str, final: bool) -> dict | None:
+        return {"text": text} if text or final else None
 
     def logprobs_of(self, ctx: ResponseContext, choice: _CompletionChoice, token_ids: list[int],
                     entries: list[dict[int, Logprob]], text: str) -> CompletionLogprobs:
