@@ -209,6 +209,7 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # with --reasoning-parser: the model's reasoning, apart from content
     tool_calls: list[dict[str, Any]] = Field(default_factory=list)  # {id, type: "function", function: {name, arguments}}
 
 

@@ -22,6 +22,9 @@ from stepahead.entrypoints.openai.protocol import (
     UsageInfo,
     random_id,
 )
+from stepahead.entrypoints.openai.reasoning import REASONING_PARSERS
+from stepahead.entrypoints.openai.reasoning.base import ReasoningDelta, ReasoningStream
+from stepahead.entrypoints.openai.reasoning.base import split as split_reasoning
 from stepahead.entrypoints.openai.serving_base import Choice, OpenAIServing, ResponseContext
 from stepahead.entrypoints.openai.serving_utils import clamp, encode_ids, sampling_params_of, token_text
 from stepahead.entrypoints.openai.template_sandbox import TemplateSandbox
@@ -151,6 +154,7 @@ def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], top_n
 class _ChatChoice(Choice):
     logprobs: list[ChatTokenLogprob] = field(default_factory=list)
     tools: ToolStream | None = None  # streaming: reads the output for tool calls
+    reasoning: ReasoningStream | None = None  # streaming: splits off the reasoning
     called: bool = False  # streaming: a tool call delta went out
 
 
@@ -162,10 +166,12 @@ class _ChatContext(ResponseContext):
 class OpenAIServingChat(OpenAIServing):
     EMPTY_BODY = {"delta": {}}
 
-    def __init__(self, *args, tool_parser: str | None = None, **kwargs) -> None:
-        """tool_parser: a name in TOOL_PARSERS, for tool_choice "auto" (--enable-auto-tool-choice)."""
+    def __init__(self, *args, tool_parser: str | None = None, reasoning_parser: str | None = None, **kwargs) -> None:
+        """tool_parser: a name in TOOL_PARSERS, for tool_choice "auto" (--enable-auto-tool-choice);
+        reasoning_parser: a name in REASONING_PARSERS (--reasoning-parser)."""
         super().__init__(*args, **kwargs)
         self.tool_parser = tool_parser
+        self.reasoning_parser = reasoning_parser
         self.token_bytes = TokenBytes(self.engine.tokenizer)
         self.template_sandbox = (TemplateSandbox(self.engine.config.model_config)
                                  if self.limits.trust_request_chat_template else None)
@@ -224,19 +230,31 @@ class OpenAIServingChat(OpenAIServing):
                 for index in range(ctx.req.n)]
 
     def delta_body(self, ctx: _ChatContext, choice: _ChatChoice, text: str, final: bool) -> dict | None:
+        delta: dict = {}
+        if self.reasoning_parser is not None:  # reasoning first; what follows it is the content
+            if choice.reasoning is None:
+                choice.reasoning = REASONING_PARSERS[self.reasoning_parser]()
+            split_ = choice.reasoning.feed(text)
+            if final:
+                rest = choice.reasoning.finish()
+                split_ = ReasoningDelta(split_.reasoning + rest.reasoning, split_.content + rest.content)
+            if split_.reasoning:
+                delta["reasoning_content"] = split_.reasoning
+            text = split_.content
         if ctx.tool_plan is not None and choice.tools is None:
             choice.tools = tool_stream(ctx.tool_plan, self.tool_parser)
         if choice.tools is None:
-            return {"delta": {"content": text} if text else {}} if text or final else None
-        out = choice.tools.feed(text)
-        if final:
-            out += choice.tools.finish()
-        delta: dict = {}
-        if out.content:
-            delta["content"] = out.content
-        if out.tool_calls:
-            delta["tool_calls"] = out.tool_calls
-            choice.called = True
+            if text:
+                delta["content"] = text
+        else:
+            out = choice.tools.feed(text)
+            if final:
+                out += choice.tools.finish()
+            if out.content:
+                delta["content"] = out.content
+            if out.tool_calls:
+                delta["tool_calls"] = out.tool_calls
+                choice.called = True
         return {"delta": delta} if delta or final else None
 
     def finish_reason(self, ctx: _ChatContext, choice: _ChatChoice, reason: str | None) -> str | None:
@@ -258,12 +276,15 @@ class OpenAIServingChat(OpenAIServing):
         )
 
     def _choice(self, ctx: _ChatContext, index: int, choice: _ChatChoice) -> ChatChoice:
-        content, calls = choice.text, []
+        reasoning, content, calls = None, choice.text, []
+        if self.reasoning_parser is not None:
+            reasoning, content = split_reasoning(REASONING_PARSERS[self.reasoning_parser](), content)
         stream = tool_stream(ctx.tool_plan, self.tool_parser)
         if stream is not None:
-            content, calls = collect(stream, choice.text)
+            content, calls = collect(stream, content)
         return ChatChoice(index=index,
-                          message=ChatResponseMessage(content=content, tool_calls=[c.to_openai() for c in calls]),
+                          message=ChatResponseMessage(content=content, reasoning_content=reasoning,
+                                                      tool_calls=[c.to_openai() for c in calls]),
                           logprobs=ChatLogprobs(content=choice.logprobs) if ctx.req.logprobs else None,
                           finish_reason=finish_reason(ctx.tool_plan, bool(calls), choice.finish_reason),
                           stop_reason=choice.stop_reason)
