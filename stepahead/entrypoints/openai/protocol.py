@@ -84,8 +84,8 @@ class SamplingFields(OpenAIRequest):
     # vLLM fields stepahead does not implement: declared so that setting one is a 400, never a silent ignore.
     use_beam_search: bool = False
     prompt_logprobs: StrictInt | None = None
-    return_tokens_as_token_ids: bool | None = None
     return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None  # logprobs' tokens as "token_id:N"
 
 
 class CompletionRequest(SamplingFields):
@@ -132,7 +132,7 @@ class ChatCompletionRequest(SamplingFields):
     add_special_tokens: bool = False  # the chat template already adds what the model needs
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # refused unless the server trusts request templates
-    echo: bool = False  # refused: the last message is not echoed
+    echo: bool = False  # the last message's content goes before the output when it is the assistant's
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None  # default: "auto" with tools, else "none"
     parallel_tool_calls: bool | None = True

@@ -135,18 +135,22 @@ def _flatten_content(message: ChatMessage, index: int) -> str:
 
 
 def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], top_n: int, decode,
-                  raw_bytes: TokenBytes) -> ChatLogprobs:
+                  raw_bytes: TokenBytes, as_ids: bool = False) -> ChatLogprobs:
+    """as_ids: return_tokens_as_token_ids, tokens as "token_id:N" (bytes then those of that text, as vLLM)."""
+    def token_bytes(token_id: int, text: str) -> list[int]:
+        return list(text.encode()) if as_ids else list(raw_bytes(token_id))
+
     content = []
     for token_id, entry in zip(token_ids, entries, strict=False):
         sampled = entry.get(token_id)
-        token = token_text(token_id, sampled, decode)
+        token = token_text(token_id, sampled, decode, as_ids)
         top = []
         for other_id, other in sorted(entry.items(), key=lambda kv: kv[1].rank):
             if other.rank <= top_n and len(top) < top_n:
-                text = token_text(other_id, other, decode)
-                top.append(TopLogprob(token=text, logprob=clamp(other.logprob), bytes=list(raw_bytes(other_id))))
+                text = token_text(other_id, other, decode, as_ids)
+                top.append(TopLogprob(token=text, logprob=clamp(other.logprob), bytes=token_bytes(other_id, text)))
         content.append(ChatTokenLogprob(token=token, logprob=clamp(sampled.logprob) if sampled else LOGPROB_FLOOR,
-                                        bytes=list(raw_bytes(token_id)), top_logprobs=top))
+                                        bytes=token_bytes(token_id, token), top_logprobs=top))
     return ChatLogprobs(content=content)
 
 
@@ -161,6 +165,16 @@ class _ChatChoice(Choice):
 @dataclass
 class _ChatContext(ResponseContext):
     tool_plan: ToolPlan | None = None
+    echo: str = ""  # text every choice starts with (echo)
+
+
+def _echoed(req: ChatCompletionRequest) -> str:
+    """vLLM's chat echo: the last message's content when it is the assistant's (what
+    continue_final_message continues), else nothing."""
+    last = req.messages[-1]
+    if not req.echo or last.role != "assistant":
+        return ""
+    return _flatten_content(last, len(req.messages) - 1)
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -178,8 +192,6 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
         model_name = self.check_request(req)
-        if req.echo:
-            raise APIError("echo is not supported by this server for chat completions", 400, "echo")
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser is not None)
         top_logprobs = self._top_logprobs(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -207,7 +219,7 @@ class OpenAIServingChat(OpenAIServing):
         request_id = random_id("chatcmpl")
         stream = self.add_request(req, request_id, {"prompt_token_ids": prompt_ids, "prompt": text}, params)
         ctx = _ChatContext(request_id, model_name, int(time.time()), req, top_logprobs, "chat.completion.chunk",
-                           tool_plan=plan)
+                           tool_plan=plan, echo=_echoed(req))
         return await self.respond(ctx, stream, raw_request)
 
     @staticmethod
@@ -225,9 +237,13 @@ class OpenAIServingChat(OpenAIServing):
     def new_choice(self) -> _ChatChoice:
         return _ChatChoice()
 
-    def first_deltas(self, ctx: ResponseContext) -> list[dict]:
-        return [{"index": index, "delta": {"role": "assistant"}, "logprobs": None, "finish_reason": None}
-                for index in range(ctx.req.n)]
+    def first_deltas(self, ctx: _ChatContext) -> list[dict]:
+        deltas = [{"index": index, "delta": {"role": "assistant"}, "logprobs": None, "finish_reason": None}
+                  for index in range(ctx.req.n)]
+        if ctx.echo:
+            deltas += [{"index": index, "delta": {"content": ctx.echo}, "logprobs": None, "finish_reason": None}
+                       for index in range(ctx.req.n)]
+        return deltas
 
     def delta_body(self, ctx: _ChatContext, choice: _ChatChoice, text: str, final: bool) -> dict | None:
         delta: dict = {}
@@ -262,7 +278,8 @@ class OpenAIServingChat(OpenAIServing):
 
     def logprobs_of(self, ctx: ResponseContext, choice: Choice, token_ids: list[int],
                     entries: list[dict[int, Logprob]], text: str) -> ChatLogprobs:
-        return chat_logprobs(token_ids, entries, ctx.top_logprobs, self.engine.tokenizer.decode, self.token_bytes)
+        return chat_logprobs(token_ids, entries, ctx.top_logprobs, self.engine.tokenizer.decode, self.token_bytes,
+                             bool(ctx.req.return_tokens_as_token_ids))
 
     def keep_logprobs(self, choice: _ChatChoice, logprobs: ChatLogprobs) -> None:
         choice.logprobs.extend(logprobs.content or [])
@@ -282,6 +299,8 @@ class OpenAIServingChat(OpenAIServing):
         stream = tool_stream(ctx.tool_plan, self.tool_parser)
         if stream is not None:
             content, calls = collect(stream, content)
+        if ctx.echo:
+            content = ctx.echo + (content or "")
         return ChatChoice(index=index,
                           message=ChatResponseMessage(content=content, reasoning_content=reasoning,
                                                       tool_calls=[c.to_openai() for c in calls]),

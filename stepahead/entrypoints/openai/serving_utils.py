@@ -67,7 +67,6 @@ def reject_unsupported(req: SamplingFields) -> None:
     """Fields that would change the output but are not implemented: a 400, never a silent ignore."""
     for name, asked in (("use_beam_search", req.use_beam_search),
                         ("prompt_logprobs", req.prompt_logprobs is not None),
-                        ("return_tokens_as_token_ids", req.return_tokens_as_token_ids),
                         ("return_token_ids", req.return_token_ids)):
         if asked:
             raise APIError(f"{name} is not supported by this server", 400, name)
@@ -163,8 +162,11 @@ def clamp(logprob: float) -> float:
     return max(logprob, LOGPROB_FLOOR)
 
 
-def token_text(token_id: int, logprob: Logprob | None, decode) -> str:
-    """A token's text: the detokenizer's when it has one, else decoded alone."""
+def token_text(token_id: int, logprob: Logprob | None, decode, as_id: bool = False) -> str:
+    """A token's text: the detokenizer's when it has one, else decoded alone; as_id: vLLM's
+    return_tokens_as_token_ids form "token_id:N" (tokens that are not whole characters stay exact)."""
+    if as_id:
+        return f"token_id:{token_id}"
     if logprob is not None and logprob.decoded_token is not None:
         return logprob.decoded_token
     return decode([token_id])
