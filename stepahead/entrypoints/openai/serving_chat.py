@@ -192,7 +192,10 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
         model_name = self.check_request(req)
-        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser is not None)
+        # Checking the tools' schemas grows with them: off the event loop.
+        plan = await self.offload.run(plan_tools, req.tools, req.tool_choice, req.parallel_tool_calls,
+                                      self.tool_parser is not None) if req.tools else \
+            plan_tools(None, req.tool_choice, None, False)
         top_logprobs = self._top_logprobs(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = sampling_params_of(req, max_tokens, top_logprobs, self.generation_defaults)

@@ -111,6 +111,8 @@ def _function(index: int, tool: dict[str, Any]) -> Function:
     except SchemaError as e:
         raise APIError(f"{where}.function.parameters is not a valid JSON schema: {shorten(e.message)}", 400,
                        "tools") from None
+    except RecursionError:
+        raise APIError(f"{where}.function.parameters is nested too deeply", 400, "tools") from None
     if parameters.get("type", "object") != "object":
         raise APIError(f"{where}.function.parameters must describe an object, got type "
                        f"{shorten(json.dumps(parameters.get('type')))}", 400, "tools")
