@@ -166,6 +166,7 @@ class _ChatChoice(Choice):
 class _ChatContext(ResponseContext):
     tool_plan: ToolPlan | None = None
     echo: str = ""  # text every choice starts with (echo)
+    reasoning_parser: str | None = None  # None: the output is not split
 
 
 def _echoed(req: ChatCompletionRequest) -> str:
@@ -175,6 +176,13 @@ def _echoed(req: ChatCompletionRequest) -> str:
     if not req.echo or last.role != "assistant":
         return ""
     return _flatten_content(last, len(req.messages) - 1)
+
+
+def _json_only(params) -> bool:
+    """The grammar makes the whole output JSON (a schema, json_object, required or named tool calls): it
+    holds no reasoning (the grammar here starts at the first token; vLLM's waits for the reasoning's end)."""
+    constraint = params.structured_outputs
+    return constraint is not None and constraint.kind in ("json", "json_object")
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -222,7 +230,8 @@ class OpenAIServingChat(OpenAIServing):
         request_id = random_id("chatcmpl")
         stream = self.add_request(req, request_id, {"prompt_token_ids": prompt_ids, "prompt": text}, params)
         ctx = _ChatContext(request_id, model_name, int(time.time()), req, top_logprobs, "chat.completion.chunk",
-                           tool_plan=plan, echo=_echoed(req))
+                           tool_plan=plan, echo=_echoed(req),
+                           reasoning_parser=None if _json_only(params) else self.reasoning_parser)
         return await self.respond(ctx, stream, raw_request)
 
     @staticmethod
@@ -250,9 +259,9 @@ class OpenAIServingChat(OpenAIServing):
 
     def delta_body(self, ctx: _ChatContext, choice: _ChatChoice, text: str, final: bool) -> dict | None:
         delta: dict = {}
-        if self.reasoning_parser is not None:  # reasoning first; what follows it is the content
+        if ctx.reasoning_parser is not None:  # reasoning first; what follows it is the content
             if choice.reasoning is None:
-                choice.reasoning = REASONING_PARSERS[self.reasoning_parser]()
+                choice.reasoning = REASONING_PARSERS[ctx.reasoning_parser]()
             split_ = choice.reasoning.feed(text)
             if final:
                 rest = choice.reasoning.finish()
@@ -297,8 +306,8 @@ class OpenAIServingChat(OpenAIServing):
 
     def _choice(self, ctx: _ChatContext, index: int, choice: _ChatChoice) -> ChatChoice:
         reasoning, content, calls = None, choice.text, []
-        if self.reasoning_parser is not None:
-            reasoning, content = split_reasoning(REASONING_PARSERS[self.reasoning_parser](), content)
+        if ctx.reasoning_parser is not None:
+            reasoning, content = split_reasoning(REASONING_PARSERS[ctx.reasoning_parser](), content)
         stream = tool_stream(ctx.tool_plan, self.tool_parser)
         if stream is not None:
             content, calls = collect(stream, content)

@@ -14,7 +14,7 @@ from tests.entrypoints.openai.server_utils import RemoteServer
 
 ASK = [{"role": "user", "content": "Hi!"}]
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}}}]
 THINKING_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
                      "<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}"
                      "<think>\n\n</think>\n\n{% endif %}")
@@ -57,6 +57,17 @@ def test_tool_calls_are_read_after_the_reasoning(client):
     assert choice.message.reasoning_content == "Weather needs a tool." and choice.finish_reason == "tool_calls"
     assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == \
         [("get_weather", {"city": "Oslo"})]
+
+
+def test_output_constrained_to_json_is_all_content(client):
+    r = client.chat.completions.create(model="x", messages=ASK, tools=TOOLS, tool_choice="required", temperature=0,
+                                       parallel_tool_calls=False, max_tokens=200)
+    choice = r.choices[0]
+    assert choice.message.reasoning_content is None and choice.finish_reason == "tool_calls"
+    assert [c.function.name for c in choice.message.tool_calls] == ["get_weather"]
+    r = client.chat.completions.create(model="x", messages=ASK, temperature=0, max_tokens=32,
+                                       response_format={"type": "json_object"})
+    assert r.choices[0].message.reasoning_content is None and r.choices[0].message.content.lstrip().startswith("{")
 
 
 def test_enable_thinking_reaches_the_template(client):
