@@ -81,11 +81,11 @@ class SamplingFields(OpenAIRequest):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    return_tokens_as_token_ids: bool | None = None  # logprobs' tokens as "token_id:N"
     # vLLM fields stepahead does not implement: declared so that setting one is a 400, never a silent ignore.
     use_beam_search: bool = False
     prompt_logprobs: StrictInt | None = None
     return_token_ids: bool | None = None
-    return_tokens_as_token_ids: bool | None = None  # logprobs' tokens as "token_id:N"
 
 
 class CompletionRequest(SamplingFields):
@@ -206,11 +206,22 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ChatToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
     reasoning_content: str | None = None  # with --reasoning-parser: the model's reasoning, apart from content
-    tool_calls: list[dict[str, Any]] = Field(default_factory=list)  # {id, type: "function", function: {name, arguments}}
+    tool_calls: list[ChatToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
