@@ -12,6 +12,8 @@ from stepahead.validation import InvalidInputError, check_field, shorten
 logger = logging.getLogger(__name__)
 
 MAX_LOGPROBS = 20
+# OpenAI's range for a logit_bias value: -100 bans a token in practice, +100 forces it.
+MAX_LOGIT_BIAS = 100.0
 # Below this a temperature is greedy; up to _MIN_TEMPERATURE it is raised to that: dividing logits by a
 # smaller one overflows to inf and the softmax to NaN (vLLM's two thresholds).
 SAMPLING_EPS = 1e-5
@@ -83,6 +85,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before penalties and sampling
+    allowed_token_ids: list[int] | None = None  # sample only among these (and their logprobs are over them)
     extra_args: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -119,6 +123,36 @@ class SamplingParams:
         check_field(all(self.stop), "stop", self.stop, "must not contain empty strings")
         check_field(all(token_id >= 0 for token_id in self.stop_token_ids), "stop_token_ids", self.stop_token_ids,
                     "must be >= 0")
+        self._check_logit_bias()
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+            check_field(bool(self.allowed_token_ids), "allowed_token_ids", self.allowed_token_ids,
+                        "must not be empty")
+            check_field(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.allowed_token_ids),
+                        "allowed_token_ids", self.allowed_token_ids, "must be token ids (integers >= 0)")
+
+    def _check_logit_bias(self) -> None:
+        """Keys become ints (JSON gives strings); values must be finite and in OpenAI's range."""
+        if not self.logit_bias:
+            self.logit_bias = None
+            return
+        bias, bad_keys = {}, []
+        for key, value in self.logit_bias.items():
+            try:
+                token_id = int(key)
+            except (TypeError, ValueError):
+                bad_keys.append(key)
+                continue
+            if isinstance(key, bool) or token_id < 0 or (isinstance(key, float) and key != token_id):
+                bad_keys.append(key)
+                continue
+            bias[token_id] = value
+        check_field(not bad_keys, "logit_bias", bad_keys[:8], "keys must be token ids (integers >= 0)")
+        bad_values = [v for v in bias.values()
+                      if isinstance(v, bool) or not isinstance(v, int | float) or not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS]
+        check_field(not bad_values, "logit_bias", bad_values[:8],
+                    f"values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        self.logit_bias = {token_id: float(value) for token_id, value in bias.items()}
 
     @property
     def is_greedy(self) -> bool:
@@ -130,5 +164,7 @@ class SamplingParams:
 
     def validate_token_ids(self, vocab_size: int) -> None:
         """Token ids in the parameters must exist in the model's vocabulary."""
-        out_of_vocab = [token_id for token_id in self.stop_token_ids if token_id >= vocab_size]
-        check_field(not out_of_vocab, "stop_token_ids", out_of_vocab, f"must be token ids in [0, {vocab_size})")
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias or ()),
+                          ("allowed_token_ids", self.allowed_token_ids or ())):
+            out_of_vocab = [token_id for token_id in ids if token_id >= vocab_size][:8]
+            check_field(not out_of_vocab, name, out_of_vocab, f"must be token ids in [0, {vocab_size})")

@@ -44,3 +44,20 @@ def test_normalizes_stop_and_top_k():
 def test_stop_token_ids_checked_against_vocab():
     with pytest.raises(ValueError, match="stop_token_ids"):
         SamplingParams(stop_token_ids=[5, 999]).validate_token_ids(100)
+
+
+def test_logit_bias_keys_become_ints_and_values_are_bounded():
+    assert SamplingParams(logit_bias={"5": 100, 7: -2.5}).logit_bias == {5: 100.0, 7: -2.5}
+    assert SamplingParams(logit_bias={}).logit_bias is None
+    for bias in ({"x": 1.0}, {-1: 1.0}, {True: 1.0}, {5: 100.5}, {5: float("nan")}, {5: "1"}):
+        with pytest.raises(InvalidInputError, match="logit_bias") as raised:
+            SamplingParams(logit_bias=bias)
+        assert raised.value.param == "logit_bias"
+
+
+def test_token_id_fields_checked_against_vocab():
+    for field, value in (("logit_bias", {99: 1.0, 100: 1.0}), ("allowed_token_ids", [3, 100])):
+        with pytest.raises(InvalidInputError, match=rf"{field} must be token ids in \[0, 100\), got \[100\]"):
+            SamplingParams(**{field: value}).validate_token_ids(100)
+    with pytest.raises(InvalidInputError, match="allowed_token_ids must not be empty"):
+        SamplingParams(allowed_token_ids=[])

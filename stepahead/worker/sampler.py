@@ -1,5 +1,5 @@
-"""Token sampling for one step, vectorized over the batch: grammar bitmask, min_tokens, penalties,
-greedy / temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+"""Token sampling for one step, vectorized over the batch: grammar bitmask, allowed_token_ids,
+min_tokens, logit_bias, penalties, greedy / temperature, top-k, top-p, min-p, per-request seeds, logprobs.
 
 Design. The host describes the step once (`SamplingMetadata.from_rows`: numpy, one host-to-device
 copy) and decides every branch from the parameters: all greedy, any penalties, which rows are
@@ -20,8 +20,8 @@ with the batch. `logprobs_to_host` does the host conversion once the ids have be
   batch 64 there). Without it (CUDA) the width is fixed from the parameters: the largest top-k, or
   the whole vocabulary sorted when a row has top-p alone. Both give the same token for the same
   uniform up to float rounding; rows without truncation sample over the vocabulary in id order.
-- Logprobs are taken after the bitmask and min_tokens, before penalties and temperature, with -inf
-  floored at LOGPROB_FLOOR.
+- Logprobs are taken after the masks (bitmask, allowed_token_ids, min_tokens), before logit_bias,
+  penalties and temperature (vLLM's raw logprobs), with -inf floored at LOGPROB_FLOOR.
 """
 
 from __future__ import annotations
@@ -185,6 +185,17 @@ def _apply_min_tokens(logits: torch.Tensor, md: SamplingMetadata) -> None:
     logits.index_put_((rows, tokens), torch.where(emptied, kept, float("-inf")))
 
 
+def _apply_allowed(logits: torch.Tensor, md: SamplingMetadata) -> None:
+    """-inf for every token outside a restricted row's allowed_token_ids (a mask, like the grammar's)."""
+    rows = md.allowed_rows
+    logits.index_copy_(0, rows, logits.index_select(0, rows).masked_fill_(~md.allowed_mask, float("-inf")))
+
+
+def _biased(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """The logits plus each row's logit_bias, in a new tensor (the input stays as the model gave it)."""
+    return logits.index_put((md.bias_rows, md.bias_tokens), md.bias_values, accumulate=True)
+
+
 def _penalized(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     """The logits with penalties applied, in a new tensor (sampling a row again gives the same result):
     repetition over prompt + output (divide positive logits, multiply negative ones); presence/frequency
@@ -287,13 +298,17 @@ def _select(t: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor | None:
 def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
     """logits [num_rows, vocab] float32 -> sampled ids and logprob tensors, on the device. Nothing is
     read back to the host unless md.candidate_search. The logits are modified in place only by masks
-    (min_tokens' -inf), which a second call would set again: sampling the same logits twice (a row
+    (allowed_token_ids' and min_tokens' -inf), which a second call would set again: sampling the same logits twice (a row
     alone, after its batch failed) gives the same ids for greedy and seeded rows."""
+    if md.allowed_mask is not None:
+        _apply_allowed(logits, md)
     if md.any_min_tokens:
         _apply_min_tokens(logits, md)
     raw_logprobs = None
     if md.max_num_logprobs is not None:
         raw_logprobs = logits.index_select(0, md.logprob_rows).log_softmax(dim=1)
+    if md.any_logit_bias:
+        logits = _biased(logits, md)
     if md.any_penalties:
         logits = _penalized(logits, md)
     if md.all_greedy:

@@ -100,6 +100,13 @@ class SamplingMetadata:
     presence_penalty: torch.Tensor | None  # [P] float32
     output_counts: torch.Tensor | None  # [P, vocab] float32: occurrences of each token in the output
     prompt_mask: torch.Tensor | None  # [P, vocab] bool: token occurs in the prompt; None without repetition
+    # -- allowed_token_ids: the rows that restrict their tokens (None when no row does) --
+    allowed_rows: torch.Tensor | None  # [A] int64
+    allowed_mask: torch.Tensor | None  # [A, vocab] bool: the token may be sampled
+    # -- logit_bias: (row, token, bias) triples, added before penalties --
+    bias_rows: torch.Tensor  # [B] int64
+    bias_tokens: torch.Tensor  # [B] int64
+    bias_values: torch.Tensor  # [B] float32
     # -- logprobs --
     logprob_rows: torch.Tensor  # [L] int64: batch rows that want logprobs
     logprob_row_ids: tuple[int, ...]  # the same rows, on the host
@@ -132,6 +139,10 @@ class SamplingMetadata:
     def any_min_tokens(self) -> bool:
         return self.stop_rows.shape[0] > 0
 
+    @property
+    def any_logit_bias(self) -> bool:
+        return self.bias_rows.shape[0] > 0
+
     @staticmethod
     def from_rows(rows: list[RowSampling], vocab_size: int, device: torch.device | str,
                   candidate_search: bool | None = None) -> SamplingMetadata:
@@ -149,6 +160,10 @@ class SamplingMetadata:
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         pen = [i for i, p in enumerate(params) if p.uses_penalties]
         rep = [i for i in pen if params[i].repetition_penalty != 1.0]
+        allowed = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
+        # Ids past the logits' width are dropped (the frontend refuses ids outside the vocabulary).
+        bias = [(i, t, b) for i, p in enumerate(params) if p.logit_bias
+                for t, b in p.logit_bias.items() if t < vocab_size]
 
         pack = _HostPack()
         f32, i64 = np.float32, np.int64
@@ -165,8 +180,14 @@ class SamplingMetadata:
                 ("untruncated", [j for j in range(len(rand)) if j not in trunc_set], i64),
                 ("stop_rows", [i for i, _ in suppress], i64),
                 ("stop_tokens", [t for _, t in suppress], i64),
-                ("logprob_rows", lp_rows, i64)):
+                ("logprob_rows", lp_rows, i64),
+                ("bias_rows", [i for i, _, _ in bias], i64),
+                ("bias_tokens", [t for _, t, _ in bias], i64),
+                ("bias_values", [b for _, _, b in bias], f32)):
             pack.add(name, np.array(values, dtype=dtype))
+        if allowed:
+            pack.add("allowed_rows", np.array(allowed, dtype=i64))
+            pack.add("allowed_positions", _flat_positions([params[i].allowed_token_ids for i in allowed], vocab_size))
         if pen:
             pack.add("penalty_rows", np.array(pen, dtype=i64))
             for name in ("repetition_penalty", "frequency_penalty", "presence_penalty"):
@@ -188,6 +209,10 @@ class SamplingMetadata:
             if rep:
                 mask = torch.zeros(len(pen), vocab_size, dtype=torch.bool, device=device)
                 mask.view(-1).index_fill_(0, tensors["prompt_positions"], True)
+        allowed_mask = None
+        if allowed:
+            allowed_mask = torch.zeros(len(allowed), vocab_size, dtype=torch.bool, device=device)
+            allowed_mask.view(-1).index_fill_(0, tensors["allowed_positions"], True)
         return SamplingMetadata(
             num_rows=len(rows), vocab_size=vocab_size,
             random_rows=tensors["random_rows"], temperature=tensors["temperature"], top_k=tensors["top_k"],
@@ -198,6 +223,8 @@ class SamplingMetadata:
             penalty_rows=tensors.get("penalty_rows"), repetition_penalty=tensors.get("repetition_penalty"),
             frequency_penalty=tensors.get("frequency_penalty"), presence_penalty=tensors.get("presence_penalty"),
             output_counts=counts, prompt_mask=mask,
+            allowed_rows=tensors.get("allowed_rows"), allowed_mask=allowed_mask,
+            bias_rows=tensors["bias_rows"], bias_tokens=tensors["bias_tokens"], bias_values=tensors["bias_values"],
             logprob_rows=tensors["logprob_rows"], logprob_row_ids=tuple(lp_rows),
             num_logprobs=tuple(params[i].logprobs for i in lp_rows),
             all_greedy=not rand,

@@ -62,6 +62,11 @@ def test_bad_argument_is_a_clear_error(tiny_llama):
     assert proc.returncode == 2 and "max_tokens must be >= 1" in proc.stderr
 
 
+def test_auto_tool_choice_needs_a_parser(tiny_llama):
+    proc = _stepahead("serve", str(tiny_llama), "--host", "127.0.0.1", "--port", "0", "--enable-auto-tool-choice")
+    assert proc.returncode == 2 and "--enable-auto-tool-choice requires --tool-call-parser" in proc.stdout + proc.stderr
+
+
 def test_engine_failure_is_an_error_message_and_status_1(tiny_model_factory, tmp_path, capsys):
     """stepahead's own failures (here the worker's, at startup) are caught by type: exit status 1, no traceback
     of the CLI (the message carries the worker's)."""

@@ -76,7 +76,10 @@ class ServerState:
 
 def build_app(engine: AsyncLLM, model: ServedModel, api_key: str | None = None,
               state: ServerState | None = None, limits: RequestLimits | None = None,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, tool_parser: str | None = None,
+              reasoning_parser: str | None = None) -> FastAPI:
+    """tool_parser: the --tool-call-parser for tool_choice "auto"; None refuses "auto". reasoning_parser:
+    the --reasoning-parser; None leaves the output whole."""
     state = state or ServerState()
     limits = limits or RequestLimits(model.max_model_len,
                                      default_max_sequences(engine.config.scheduler_config.max_num_seqs))
@@ -90,7 +93,8 @@ def build_app(engine: AsyncLLM, model: ServedModel, api_key: str | None = None,
     engine.stats_listeners.append(metrics.record)
     offload = Offload()
     completions = OpenAIServingCompletion(engine, model, limits, offload)
-    chat = OpenAIServingChat(engine, model, limits, offload)
+    chat = OpenAIServingChat(engine, model, limits, offload, tool_parser=tool_parser,
+                             reasoning_parser=reasoning_parser)
     app.state.engine, app.state.metrics, app.state.server_state = engine, metrics, state
 
     def accepting(request: Request) -> None:
@@ -239,6 +243,8 @@ async def run_server(ns: argparse.Namespace) -> int:
     logger.info("stepahead %s: serving on http://%s:%d (the model loads next)", stepahead_version(), host, port)
     logger.info("Non-default args: %s", non_default_args(ns, make_parser().parse_args([])))
     try:
+        if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
         engine_args = engine_args_from_namespace(ns)
         if ns.trace_file:
             engine_args.trace = True
@@ -263,7 +269,8 @@ async def run_server(ns: argparse.Namespace) -> int:
     limits = RequestLimits(model.max_model_len,
                            ns.max_sequences_per_request or default_max_sequences(config.scheduler_config.max_num_seqs),
                            ns.trust_request_chat_template)
-    app = build_app(engine, model, api_key, state, limits, ns.max_request_bytes)
+    app = build_app(engine, model, api_key, state, limits, ns.max_request_bytes,
+                    ns.tool_call_parser if ns.enable_auto_tool_choice else None, ns.reasoning_parser)
     routes = ", ".join(sorted(route.path for route in app.routes
                               if not route.path.startswith(("/docs", "/redoc", "/openapi"))))
     logger.info("Routes: %s", routes)

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 _INT64 = dict(ge=-(2**63), le=2**63 - 1)
 _COUNT = dict(ge=0, le=2**31 - 1)  # token counts and the like: anything larger is a mistake
 TokenId = Annotated[StrictInt, Field(ge=-(2**31), le=2**31 - 1)]  # true/false are not token ids; the vocabulary check names bad ones
+LogitBias = Annotated[float, Field(ge=-100.0, le=100.0)]  # OpenAI's range
 
 
 def random_id(prefix: str) -> str:
@@ -66,7 +67,8 @@ class SamplingFields(OpenAIRequest):
     presence_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, LogitBias] | None = None  # token id (as text) -> bias added to its logit
+    allowed_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     stream: bool = False
@@ -79,6 +81,11 @@ class SamplingFields(OpenAIRequest):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    return_tokens_as_token_ids: bool | None = None  # logprobs' tokens as "token_id:N"
+    # vLLM fields stepahead does not implement: declared so that setting one is a 400, never a silent ignore.
+    use_beam_search: bool = False
+    prompt_logprobs: StrictInt | None = None
+    return_token_ids: bool | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -95,10 +102,23 @@ class TextPart(OpenAIRequest):
     text: str | None = None
 
 
+class ToolCallFunction(OpenAIRequest):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(OpenAIRequest):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(OpenAIRequest):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a role "tool" message: the call it answers
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -112,8 +132,10 @@ class ChatCompletionRequest(SamplingFields):
     add_special_tokens: bool = False  # the chat template already adds what the model needs
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # refused unless the server trusts request templates
+    echo: bool = False  # the last message's content goes before the output when it is the assistant's
     tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # default: "auto" with tools, else "none"
+    parallel_tool_calls: bool | None = True
 
 
 class TokenizeRequest(OpenAIRequest):
@@ -184,9 +206,22 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ChatToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # with --reasoning-parser: the model's reasoning, apart from content
+    tool_calls: list[ChatToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):

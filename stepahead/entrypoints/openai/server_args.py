@@ -8,7 +8,9 @@ from __future__ import annotations
 import argparse
 
 from stepahead.entrypoints.engine_flags import add_engine_args
+from stepahead.entrypoints.openai.reasoning import REASONING_PARSERS
 from stepahead.entrypoints.openai.request_limits import DEFAULT_MAX_REQUEST_BYTES
+from stepahead.entrypoints.openai.tool_calling.parsers import TOOL_PARSERS
 
 DESCRIPTION = "OpenAI-compatible HTTP server"
 
@@ -32,6 +34,15 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--trust-request-chat-template", action="store_true",
                        help="let requests bring their own chat template (chat_template, or chat_template_kwargs' "
                             "chat_template); refused by default: a template is code the server runs")
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='let the model decide on tool calls (tool_choice "auto", the default with tools), '
+                            "found in its output by --tool-call-parser")
+    group.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                       help="how the model writes tool calls, for --enable-auto-tool-choice (hermes: Qwen, Hermes; "
+                            "llama3_json: Llama 3.x)")
+    group.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                       help="split the model's reasoning (<think>...</think>) into reasoning_content on chat "
+                            "completions (deepseek_r1: the template opens the think block; qwen3: the output does)")
     group.add_argument("--uvicorn-log-level", default="warning",
                        choices=["critical", "error", "warning", "info", "debug", "trace"])
     # Instead of the engine's --trace switch: a file to write the trace to at shutdown.

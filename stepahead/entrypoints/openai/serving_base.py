@@ -79,6 +79,8 @@ def _grammar_param(req: SamplingFields) -> str:
 
 
 class OpenAIServing:
+    EMPTY_BODY: dict = {}  # a streamed choice's text fields when it has no text (logprobs waiting on a character)
+
     def __init__(self, engine: AsyncLLM, model: ServedModel, limits: RequestLimits, offload: Offload) -> None:
         self.engine = engine
         self.model = model
@@ -137,9 +139,14 @@ class OpenAIServing:
         """The text this delta adds to the choice."""
         return completion.text
 
-    def delta_body(self, text: str) -> dict:
-        """The endpoint's text field(s) of a streamed choice."""
+    def delta_body(self, ctx: ResponseContext, choice: Choice, text: str, final: bool) -> dict | None:
+        """The endpoint's text field(s) of a streamed choice; None: nothing to send yet. final: the choice's
+        last delta."""
         raise NotImplementedError
+
+    def finish_reason(self, ctx: ResponseContext, choice: Choice, reason: str | None) -> str | None:
+        """The finish_reason the client sees (chat reports tool calls as "tool_calls")."""
+        return reason
 
     def first_deltas(self, ctx: ResponseContext) -> list[dict]:
         """Streamed choices sent before any output."""
@@ -212,12 +219,15 @@ class OpenAIServing:
                     choice.num_tokens += len(completion.token_ids)
                     text = self.delta_text(ctx, choice, request_output, completion)
                     logprobs = self._take_logprobs(ctx, choice, completion, flush=False)
-                    if not text and completion.finish_reason is None:
+                    final = completion.finish_reason is not None
+                    body = self.delta_body(ctx, choice, text, final)
+                    if body is None and logprobs is None and not final:
                         continue  # no empty deltas
                     yield ctx.chunk([{
-                        "index": index, **self.delta_body(text),
+                        "index": index, **(body if body is not None else self.EMPTY_BODY),
                         "logprobs": None if logprobs is None else logprobs.model_dump(mode="json"),
-                        "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
+                        "finish_reason": self.finish_reason(ctx, choice, completion.finish_reason),
+                        "stop_reason": completion.stop_reason,
                     }])
             stream_options = ctx.req.stream_options
             if stream_options is not None and stream_options.include_usage:

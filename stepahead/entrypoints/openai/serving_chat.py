@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 
@@ -21,13 +22,19 @@ from stepahead.entrypoints.openai.protocol import (
     UsageInfo,
     random_id,
 )
+from stepahead.entrypoints.openai.reasoning import REASONING_PARSERS
+from stepahead.entrypoints.openai.reasoning.base import ReasoningDelta, ReasoningStream
+from stepahead.entrypoints.openai.reasoning.base import split as split_reasoning
 from stepahead.entrypoints.openai.serving_base import Choice, OpenAIServing, ResponseContext
 from stepahead.entrypoints.openai.serving_utils import clamp, encode_ids, sampling_params_of, token_text
 from stepahead.entrypoints.openai.template_sandbox import TemplateSandbox
 from stepahead.entrypoints.openai.token_bytes import TokenBytes
+from stepahead.entrypoints.openai.tool_calling.parsers.base import ToolStream, collect
+from stepahead.entrypoints.openai.tool_calling.streams import finish_reason, tool_stream
+from stepahead.entrypoints.openai.tool_calling.tools import ToolPlan, plan_tools
 from stepahead.outputs import LOGPROB_FLOOR, Logprob
-from stepahead.sampling_params import MAX_LOGPROBS
-from stepahead.validation import shorten
+from stepahead.sampling_params import MAX_LOGPROBS, StructuredOutputsParams
+from stepahead.validation import InvalidInputError, shorten
 
 NO_TEMPLATE = ("As of transformers v4.44, default chat template is no longer allowed, so you must provide a "
                "chat template if the tokenizer does not define one.")
@@ -35,12 +42,21 @@ NO_TEMPLATE = ("As of transformers v4.44, default chat template is no longer all
 
 # Arguments render_chat passes to apply_chat_template itself.
 RESERVED_TEMPLATE_KWARGS = {"conversation", "tokenize", "add_generation_prompt", "continue_final_message",
-                            "return_dict", "return_tensors"}
+                            "return_dict", "return_tensors", "tools"}
+
+
+def template_tool_call(call) -> dict:
+    """An earlier call as templates expect it: arguments as an object where they parse (vLLM's rule)."""
+    try:
+        arguments = json.loads(call.function.arguments)
+    except json.JSONDecodeError:
+        arguments = call.function.arguments
+    return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
 
 
 def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool,
                 template_kwargs: dict | None, chat_template: str | None = None,
-                sandbox: TemplateSandbox | None = None) -> str:
+                sandbox: TemplateSandbox | None = None, tools: list[dict] | None = None) -> str:
     """The prompt text the chat template makes of the messages; 400 on anything it cannot render. A
     template the request brought (chat_template) renders in the sandbox's child process. CPU work that
     grows with the input: call it through Offload."""
@@ -57,8 +73,14 @@ def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: b
         entry = {"role": message.role, "content": _flatten_content(message, index)}
         if message.name is not None:
             entry["name"] = message.name
+        if message.tool_calls:
+            entry["tool_calls"] = [template_tool_call(call) for call in message.tool_calls]
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
         conversation.append(entry)
     kwargs = {k: v for k, v in (template_kwargs or {}).items() if k != "chat_template"}
+    if tools:
+        kwargs["tools"] = tools
     kwargs["add_generation_prompt"] = add_generation_prompt
     if continue_final_message:
         kwargs["continue_final_message"] = True
@@ -82,6 +104,7 @@ def message_chars(messages: list[ChatMessage]) -> int:
             total += len(message.content)
         elif message.content is not None:
             total += sum(len(part.text or "") for part in message.content)
+        total += sum(len(call.function.arguments) + len(call.function.name) for call in message.tool_calls or ())
     return total
 
 
@@ -112,52 +135,103 @@ def _flatten_content(message: ChatMessage, index: int) -> str:
 
 
 def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], top_n: int, decode,
-                  raw_bytes: TokenBytes) -> ChatLogprobs:
+                  raw_bytes: TokenBytes, as_ids: bool = False) -> ChatLogprobs:
+    """as_ids: return_tokens_as_token_ids, tokens as "token_id:N" (bytes then those of that text, as vLLM)."""
+    def token_bytes(token_id: int, text: str) -> list[int]:
+        return list(text.encode()) if as_ids else list(raw_bytes(token_id))
+
     content = []
     for token_id, entry in zip(token_ids, entries, strict=False):
         sampled = entry.get(token_id)
-        token = token_text(token_id, sampled, decode)
+        token = token_text(token_id, sampled, decode, as_ids)
         top = []
         for other_id, other in sorted(entry.items(), key=lambda kv: kv[1].rank):
             if other.rank <= top_n and len(top) < top_n:
-                text = token_text(other_id, other, decode)
-                top.append(TopLogprob(token=text, logprob=clamp(other.logprob), bytes=list(raw_bytes(other_id))))
+                text = token_text(other_id, other, decode, as_ids)
+                top.append(TopLogprob(token=text, logprob=clamp(other.logprob), bytes=token_bytes(other_id, text)))
         content.append(ChatTokenLogprob(token=token, logprob=clamp(sampled.logprob) if sampled else LOGPROB_FLOOR,
-                                        bytes=list(raw_bytes(token_id)), top_logprobs=top))
+                                        bytes=token_bytes(token_id, token), top_logprobs=top))
     return ChatLogprobs(content=content)
 
 
 @dataclass
 class _ChatChoice(Choice):
     logprobs: list[ChatTokenLogprob] = field(default_factory=list)
+    tools: ToolStream | None = None  # streaming: reads the output for tool calls
+    reasoning: ReasoningStream | None = None  # streaming: splits off the reasoning
+    called: bool = False  # streaming: a tool call delta went out
+
+
+@dataclass
+class _ChatContext(ResponseContext):
+    tool_plan: ToolPlan | None = None
+    echo: str = ""  # text every choice starts with (echo)
+    reasoning_parser: str | None = None  # None: the output is not split
+
+
+def _echoed(req: ChatCompletionRequest) -> str:
+    """vLLM's chat echo: the last message's content when it is the assistant's (what
+    continue_final_message continues), else nothing."""
+    last = req.messages[-1]
+    if not req.echo or last.role != "assistant":
+        return ""
+    return _flatten_content(last, len(req.messages) - 1)
+
+
+def _json_only(params) -> bool:
+    """The grammar makes the whole output JSON (a schema, json_object, required or named tool calls): it
+    holds no reasoning (the grammar here starts at the first token; vLLM's waits for the reasoning's end)."""
+    constraint = params.structured_outputs
+    return constraint is not None and constraint.kind in ("json", "json_object")
 
 
 class OpenAIServingChat(OpenAIServing):
-    def __init__(self, *args, **kwargs) -> None:
+    EMPTY_BODY = {"delta": {}}
+
+    def __init__(self, *args, tool_parser: str | None = None, reasoning_parser: str | None = None, **kwargs) -> None:
+        """tool_parser: a name in TOOL_PARSERS, for tool_choice "auto" (--enable-auto-tool-choice);
+        reasoning_parser: a name in REASONING_PARSERS (--reasoning-parser)."""
         super().__init__(*args, **kwargs)
+        self.tool_parser = tool_parser
+        self.reasoning_parser = reasoning_parser
         self.token_bytes = TokenBytes(self.engine.tokenizer)
         self.template_sandbox = (TemplateSandbox(self.engine.config.model_config)
                                  if self.limits.trust_request_chat_template else None)
 
     async def create(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
         model_name = self.check_request(req)
-        if req.tools:
-            raise APIError("tools are not supported by this server", 400, "tools")
+        # Checking the tools' schemas grows with them: off the event loop.
+        plan = await self.offload.run(plan_tools, req.tools, req.tool_choice, req.parallel_tool_calls,
+                                      self.tool_parser is not None) if req.tools else \
+            plan_tools(None, req.tool_choice, None, False)
         top_logprobs = self._top_logprobs(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = sampling_params_of(req, max_tokens, top_logprobs, self.generation_defaults)
-        await self.check_grammar(req, params)
+        if plan is not None and plan.constrained:
+            if params.structured_outputs is not None:
+                raise APIError(f"tool_choice {plan.mode!r} constrains the output itself: it cannot be combined with "
+                               "response_format or structured_outputs", 400, "tool_choice")
+            try:
+                params.structured_outputs = StructuredOutputsParams(json=plan.schema())
+                await self.check_grammar(req, params)
+            except InvalidInputError as e:
+                raise APIError(f"tools: the functions' parameter schemas cannot constrain the output: {e}", 400,
+                               "tools") from None
+        else:
+            await self.check_grammar(req, params)
         self.limits.check_sequences(1, req.n)
         self.limits.check_chars(message_chars(req.messages), "messages")
         template = request_template(req, self.limits.trust_request_chat_template)
         tokenizer = self.engine.tokenizer
         text = await self.offload.run(render_chat, tokenizer, req.messages, req.add_generation_prompt,
                                       req.continue_final_message, req.chat_template_kwargs, template,
-                                      self.template_sandbox)
+                                      self.template_sandbox, req.tools)
         prompt_ids = await self.offload.run(encode_ids, tokenizer, text, req.add_special_tokens)
         request_id = random_id("chatcmpl")
         stream = self.add_request(req, request_id, {"prompt_token_ids": prompt_ids, "prompt": text}, params)
-        ctx = ResponseContext(request_id, model_name, int(time.time()), req, top_logprobs, "chat.completion.chunk")
+        ctx = _ChatContext(request_id, model_name, int(time.time()), req, top_logprobs, "chat.completion.chunk",
+                           tool_plan=plan, echo=_echoed(req),
+                           reasoning_parser=None if _json_only(params) else self.reasoning_parser)
         return await self.respond(ctx, stream, raw_request)
 
     @staticmethod
@@ -175,27 +249,73 @@ class OpenAIServingChat(OpenAIServing):
     def new_choice(self) -> _ChatChoice:
         return _ChatChoice()
 
-    def first_deltas(self, ctx: ResponseContext) -> list[dict]:
-        return [{"index": index, "delta": {"role": "assistant"}, "logprobs": None, "finish_reason": None}
-                for index in range(ctx.req.n)]
+    def first_deltas(self, ctx: _ChatContext) -> list[dict]:
+        deltas = [{"index": index, "delta": {"role": "assistant"}, "logprobs": None, "finish_reason": None}
+                  for index in range(ctx.req.n)]
+        if ctx.echo:
+            deltas += [{"index": index, "delta": {"content": ctx.echo}, "logprobs": None, "finish_reason": None}
+                       for index in range(ctx.req.n)]
+        return deltas
 
-    def delta_body(self, text: str) -> dict:
-        return {"delta": {"content": text} if text else {}}
+    def delta_body(self, ctx: _ChatContext, choice: _ChatChoice, text: str, final: bool) -> dict | None:
+        delta: dict = {}
+        if ctx.reasoning_parser is not None:  # reasoning first; what follows it is the content
+            if choice.reasoning is None:
+                choice.reasoning = REASONING_PARSERS[ctx.reasoning_parser]()
+            split_ = choice.reasoning.feed(text)
+            if final:
+                rest = choice.reasoning.finish()
+                split_ = ReasoningDelta(split_.reasoning + rest.reasoning, split_.content + rest.content)
+            if split_.reasoning:
+                delta["reasoning_content"] = split_.reasoning
+            text = split_.content
+        if ctx.tool_plan is not None and choice.tools is None:
+            choice.tools = tool_stream(ctx.tool_plan, self.tool_parser)
+        if choice.tools is None:
+            if text:
+                delta["content"] = text
+        else:
+            out = choice.tools.feed(text)
+            if final:
+                out += choice.tools.finish()
+            if out.content:
+                delta["content"] = out.content
+            if out.tool_calls:
+                delta["tool_calls"] = out.tool_calls
+                choice.called = True
+        return {"delta": delta} if delta or final else None
+
+    def finish_reason(self, ctx: _ChatContext, choice: _ChatChoice, reason: str | None) -> str | None:
+        return finish_reason(ctx.tool_plan, choice.called, reason)
 
     def logprobs_of(self, ctx: ResponseContext, choice: Choice, token_ids: list[int],
                     entries: list[dict[int, Logprob]], text: str) -> ChatLogprobs:
-        return chat_logprobs(token_ids, entries, ctx.top_logprobs, self.engine.tokenizer.decode, self.token_bytes)
+        return chat_logprobs(token_ids, entries, ctx.top_logprobs, self.engine.tokenizer.decode, self.token_bytes,
+                             bool(ctx.req.return_tokens_as_token_ids))
 
     def keep_logprobs(self, choice: _ChatChoice, logprobs: ChatLogprobs) -> None:
         choice.logprobs.extend(logprobs.content or [])
 
-    def response(self, ctx: ResponseContext, choices: list[tuple[int, _ChatChoice]],
+    def response(self, ctx: _ChatContext, choices: list[tuple[int, _ChatChoice]],
                  usage_: dict) -> ChatCompletionResponse:
         return ChatCompletionResponse(
             id=ctx.request_id, created=ctx.created, model=ctx.model_name,
-            choices=[ChatChoice(index=index, message=ChatResponseMessage(content=choice.text),
-                                logprobs=ChatLogprobs(content=choice.logprobs) if ctx.req.logprobs else None,
-                                finish_reason=choice.finish_reason, stop_reason=choice.stop_reason)
-                     for index, choice in choices],
+            choices=[self._choice(ctx, index, choice) for index, choice in choices],
             usage=UsageInfo(**usage_),
         )
+
+    def _choice(self, ctx: _ChatContext, index: int, choice: _ChatChoice) -> ChatChoice:
+        reasoning, content, calls = None, choice.text, []
+        if ctx.reasoning_parser is not None:
+            reasoning, content = split_reasoning(REASONING_PARSERS[ctx.reasoning_parser](), content)
+        stream = tool_stream(ctx.tool_plan, self.tool_parser)
+        if stream is not None:
+            content, calls = collect(stream, content)
+        if ctx.echo:
+            content = ctx.echo + (content or "")
+        return ChatChoice(index=index,
+                          message=ChatResponseMessage(content=content, reasoning_content=reasoning,
+                                                      tool_calls=[c.to_openai() for c in calls]),
+                          logprobs=ChatLogprobs(content=choice.logprobs) if ctx.req.logprobs else None,
+                          finish_reason=finish_reason(ctx.tool_plan, bool(calls), choice.finish_reason),
+                          stop_reason=choice.stop_reason)

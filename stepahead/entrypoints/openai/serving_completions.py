@@ -37,7 +37,7 @@ class _CompletionContext(ResponseContext):
 
 
 def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], top_n: int, offset: int,
-                        decode, text: str) -> tuple[CompletionLogprobs, int]:
+                        decode, text: str, as_ids: bool = False) -> tuple[CompletionLogprobs, int]:
     """OpenAI's legacy form: tokens, token_logprobs, top_logprobs (top-N plus the sampled token).
 
     text is the returned text these tokens produced, starting at offset: each token's text_offset
@@ -46,19 +46,21 @@ def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]],
     result = CompletionLogprobs()
     for j, (token_id, entry) in enumerate(zip(token_ids, entries, strict=False)):
         sampled = entry.get(token_id)
-        token = token_text(token_id, sampled, decode)
+        token = token_text(token_id, sampled, decode, as_ids)
         result.tokens.append(token)
         result.token_logprobs.append(clamp(sampled.logprob) if sampled is not None else None)
         result.text_offset.append(offset + min(len(decode(token_ids[:j])) if j else 0, len(text)))
         top = {}
         for other_id, other in sorted(entry.items(), key=lambda kv: kv[1].rank):
             if other.rank <= top_n or other_id == token_id:
-                top[token_text(other_id, other, decode)] = clamp(other.logprob)
+                top[token_text(other_id, other, decode, as_ids)] = clamp(other.logprob)
         result.top_logprobs.append(top)
     return result, offset + len(text)
 
 
 class OpenAIServingCompletion(OpenAIServing):
+    EMPTY_BODY = {"text": ""}
+
     async def create(self, req: CompletionRequest, raw_request: Request) -> Response:
         model_name = self.check_request(req)
         if req.suffix:
@@ -123,13 +125,14 @@ class OpenAIServingCompletion(OpenAIServing):
             return prompt + completion.text
         return completion.text
 
-    def delta_body(self, text: str) -> dict:
-        return {"text": text}
+    def delta_body(self, ctx: ResponseContext, choice: _CompletionChoice, text: str, final: bool) -> dict | None:
+        return {"text": text} if text or final else None
 
     def logprobs_of(self, ctx: ResponseContext, choice: _CompletionChoice, token_ids: list[int],
                     entries: list[dict[int, Logprob]], text: str) -> CompletionLogprobs:
         logprobs, choice.text_offset = completion_logprobs(token_ids, entries, ctx.top_logprobs, choice.text_offset,
-                                                           self.engine.tokenizer.decode, text)
+                                                           self.engine.tokenizer.decode, text,
+                                                           bool(ctx.req.return_tokens_as_token_ids))
         return logprobs
 
     def keep_logprobs(self, choice: _CompletionChoice, logprobs: CompletionLogprobs) -> None:

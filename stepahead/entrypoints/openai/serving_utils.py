@@ -65,8 +65,11 @@ class ServedModel:
 
 def reject_unsupported(req: SamplingFields) -> None:
     """Fields that would change the output but are not implemented: a 400, never a silent ignore."""
-    if req.logit_bias:
-        raise APIError("logit_bias is not supported by this server", 400, "logit_bias")
+    for name, asked in (("use_beam_search", req.use_beam_search),
+                        ("prompt_logprobs", req.prompt_logprobs is not None),
+                        ("return_token_ids", req.return_token_ids)):
+        if asked:
+            raise APIError(f"{name} is not supported by this server", 400, name)
     if req.best_of is not None and req.best_of != req.n:
         raise APIError(f"best_of must equal n ({req.n}) (best-of sampling is not supported), got {req.best_of}",
                        400, "best_of")
@@ -137,6 +140,8 @@ def sampling_params_of(req: SamplingFields, max_tokens: int | None, logprobs: in
         repetition_penalty=pick(req.repetition_penalty, "repetition_penalty", 1.0),
         skip_special_tokens=req.skip_special_tokens,
         structured_outputs=structured_outputs_of(req),
+        logit_bias=req.logit_bias,  # keys checked and made ints here, ids against the vocabulary by the engine
+        allowed_token_ids=req.allowed_token_ids,
     )
 
 
@@ -157,8 +162,11 @@ def clamp(logprob: float) -> float:
     return max(logprob, LOGPROB_FLOOR)
 
 
-def token_text(token_id: int, logprob: Logprob | None, decode) -> str:
-    """A token's text: the detokenizer's when it has one, else decoded alone."""
+def token_text(token_id: int, logprob: Logprob | None, decode, as_id: bool = False) -> str:
+    """A token's text: the detokenizer's when it has one, else decoded alone; as_id: vLLM's
+    return_tokens_as_token_ids form "token_id:N" (tokens that are not whole characters stay exact)."""
+    if as_id:
+        return f"token_id:{token_id}"
     if logprob is not None and logprob.decoded_token is not None:
         return logprob.decoded_token
     return decode([token_id])

@@ -44,7 +44,16 @@ BAD_COMPLETIONS = [
     ({"prompt": [5] * 500, "max_tokens": 100}, None, "maximum context length is 512 tokens"),
     ({"stream_options": {"include_usage": True}}, "stream_options", "stream"),
     ({"suffix": "x"}, "suffix", "suffix"),
-    ({"logit_bias": {"5": 1.0}}, "logit_bias", "logit_bias"),
+    ({"logit_bias": {str(VOCAB_SIZE): 1.0}}, "logit_bias", f"logit_bias must be token ids in [0, {VOCAB_SIZE})"),
+    ({"logit_bias": {"abc": 1.0}}, "logit_bias", "keys must be token ids"),
+    ({"logit_bias": {"5": 101}}, "logit_bias", "less than or equal to 100"),
+    ({"allowed_token_ids": [VOCAB_SIZE]}, "allowed_token_ids", "allowed_token_ids must be token ids"),
+    ({"allowed_token_ids": []}, "allowed_token_ids", "must not be empty"),
+    # vLLM fields not implemented: refused by name rather than ignored.
+    ({"use_beam_search": True}, "use_beam_search", "use_beam_search"),
+    ({"prompt_logprobs": 1}, "prompt_logprobs", "prompt_logprobs"),
+    ({"prompt_logprobs": 0}, "prompt_logprobs", "prompt_logprobs"),
+    ({"return_token_ids": True}, "return_token_ids", "return_token_ids"),
     ({"best_of": 2}, "best_of", "best_of"),
     ({"seed": 2**64}, "seed", ""),
     ({"echo": True, "logprobs": 1}, "echo", "echo"),
@@ -121,7 +130,14 @@ def test_non_finite_numbers_are_refused(http, number):
     ({"messages": [{"content": "no role"}]}, "messages", ""),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "top_logprobs"),
     ({"top_logprobs": 2}, "top_logprobs", "logprobs"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice", "--enable-auto-tool-choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "f"}}]},
+     "tools", "unique"),
+    ({"tool_choice": "auto"}, "tool_choice", "`tools` must be set"),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice", "`tools` must be set"),
+    ({"prompt_logprobs": 2}, "prompt_logprobs", "prompt_logprobs"),
+    ({"use_beam_search": True}, "use_beam_search", "use_beam_search"),
+    ({"logit_bias": {"-1": 5}}, "logit_bias", "keys must be token ids"),
     ({"add_generation_prompt": True, "continue_final_message": True}, "continue_final_message", ""),
     ({"max_completion_tokens": 0}, "max_tokens", "max_tokens"),
     ({"max_completion_tokens": 600}, None, "maximum context length is 512 tokens"),
@@ -190,6 +206,8 @@ def test_accepted_variants(http):
     """Values at the edges of the allowed ranges, and no-op options, are accepted."""
     for override in ({"response_format": {"type": "text"}}, {"top_k": -1}, {"temperature": 0}, {"top_p": 1.0},
                      {"logprobs": 20}, {"stop": "x"}, {"seed": -1}, {"user": "u1"}, {"n": 2, "best_of": 2},
-                     {"min_tokens": 2}, {"max_tokens": None, "prompt": [5] * 505}):
+                     {"min_tokens": 2}, {"max_tokens": None, "prompt": [5] * 505},
+                     {"prompt_logprobs": None, "use_beam_search": False, "return_token_ids": False,
+                      "return_tokens_as_token_ids": False}, {"logit_bias": {}}, {"logit_bias": {"5": -100}}):
         r = http.post("/v1/completions", json={**P, **override})
         assert r.status_code == 200, (override, r.text)

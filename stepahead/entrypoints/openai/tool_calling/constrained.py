@@ -1,0 +1,33 @@
+"""The output of tool_choice "required" and of a named function, generated under the plan's JSON schema
+(tools.py), as a ToolStream: an array of {"name", "parameters"} calls, or the named call's arguments."""
+
+from __future__ import annotations
+
+from stepahead.entrypoints.openai.tool_calling.call_stream import CallScanner, tool_call_id
+from stepahead.entrypoints.openai.tool_calling.parsers.base import StreamDelta, ToolStream
+
+
+class RequiredToolStream(ToolStream):
+    def __init__(self) -> None:
+        self._scanner = CallScanner(base=1)
+
+    def feed(self, text: str) -> StreamDelta:
+        return StreamDelta(tool_calls=self._scanner.feed(text))
+
+
+class NamedToolStream(ToolStream):
+    """The whole output is the arguments: the call's id and name go out first, then the output as it comes."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._announced = False
+
+    def feed(self, text: str) -> StreamDelta:
+        deltas = []
+        if not self._announced:
+            self._announced = True
+            deltas.append({"index": 0, "id": tool_call_id(), "type": "function",
+                           "function": {"name": self._name, "arguments": ""}})
+        if text:
+            deltas.append({"index": 0, "function": {"arguments": text}})
+        return StreamDelta(tool_calls=deltas)
