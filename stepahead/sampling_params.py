@@ -130,5 +130,5 @@ class SamplingParams:
 
     def validate_token_ids(self, vocab_size: int) -> None:
         """Token ids in the parameters must exist in the model's vocabulary."""
-        out_of_vocab = [token_id for token_id in self.stop_token_ids if token_id >= vocab_size]
+        out_of_vocab = [token_id for token_id in self.stop_token_ids or () if token_id >= vocab_size]
         check_field(not out_of_vocab, "stop_token_ids", out_of_vocab, f"must be token ids in [0, {vocab_size})")

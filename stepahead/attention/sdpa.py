@@ -128,15 +128,15 @@ class StagedMetadata:
             table = staging.view(table_offset, rows * width, (rows, width))
             groups.append(DecodeGroup(first, end, table, lens, mask))
         prefills = []
-        for row, table_offset in self.prefills:
+        for row, prefix_offset in self.prefills:
             end = row.start + row.num_new_tokens
-            if table_offset is None:
+            if prefix_offset is None:
                 prefills.append(PrefillRow(row.start, end, 0, None, None))
                 continue
             new, cached = row.num_new_tokens, row.num_computed_tokens
             keys = arange[: cached + new]
             mask = (keys.unsqueeze(0) <= (arange[:new] + cached).unsqueeze(1)).view(1, 1, new, cached + new)
-            table = staging.view(table_offset, row.blocks_needed(block_size))
+            table = staging.view(prefix_offset, row.blocks_needed(block_size))
             prefills.append(PrefillRow(row.start, end, cached, table, mask))
         return AttentionMetadata(slot_mapping, groups, prefills)
 

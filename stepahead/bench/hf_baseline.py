@@ -143,7 +143,7 @@ def cache_page_tokens() -> int:
 
     defaults = transformers.ContinuousBatchingConfig()
     page_size = getattr(defaults, "page_size", None)
-    return page_size if page_size is not None else defaults.block_size
+    return page_size if page_size is not None else defaults.block_size  # type: ignore[return-value]  # one is set
 
 
 # transformers 5.17 sizes a CPU cache by psutil's free-memory figure, which it takes as 0 without psutil.

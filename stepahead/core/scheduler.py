@@ -42,6 +42,8 @@ class StructuredOutputBackend(Protocol):
 
     def wait_for_any(self, requests: list[Request], timeout: float) -> None: ...  # until one compile is done
 
+    def shutdown(self) -> None: ...
+
 
 class Scheduler:
     """Decides, step by step, which requests run and for how many tokens; owns every unfinished request.
@@ -261,6 +263,7 @@ class Scheduler:
         """Whether a request waiting for its grammar may be admitted now. A failed compile finishes
         it with "error" (the output is handed out by take_error_outputs)."""
         grammar_manager = self.structured_output_manager
+        assert grammar_manager is not None, "only a configured backend puts requests in WAITING_FOR_GRAMMAR"
         if not grammar_manager.is_ready(request):
             return False
         error = grammar_manager.compile_error(request)
@@ -351,7 +354,7 @@ class Scheduler:
             is_first_output = req.num_output_tokens == 0
             new_ids, stopped = self._update_request_with_output(req, list(sampled), is_stale)
             if new_ids and grammar_manager is not None and req.use_structured_output and not req.is_finished():
-                error = self._grammar_accept(req, new_ids)
+                error = self._grammar_accept(grammar_manager, req, new_ids)
                 if error is not None:
                     req.stop_reason = error
                     logger.error("request %s: %s", rid, req.stop_reason)
@@ -384,13 +387,14 @@ class Scheduler:
             check_scheduler(self, list(self._debug_in_flight))
         return outputs
 
-    def _grammar_accept(self, req: Request, new_ids: list[int]) -> str | None:
+    @staticmethod
+    def _grammar_accept(grammar_manager: StructuredOutputBackend, req: Request, new_ids: list[int]) -> str | None:
         """Advance the request's grammar; why it failed (a rejected token, a matcher error), or None."""
         try:
-            if self.structured_output_manager.accept_tokens(req, new_ids):
+            if grammar_manager.accept_tokens(req, new_ids):
                 return None
             return f"the grammar rejected sampled tokens {new_ids}"
-        except Exception as e:  # noqa: BLE001 - one request's grammar fails that request alone
+        except Exception as e:
             return f"the grammar matcher failed: {e!r}"
 
     def _discard_finished_in_flight(self, rid: str, num_tokens: int) -> bool:

@@ -36,7 +36,7 @@ CHOICES = {
 }
 
 
-def _arg(default, help: str):  # noqa: A002 - the argparse word
+def _arg(default, help: str):
     return field(default=default, metadata={"help": help})
 
 

@@ -132,7 +132,7 @@ class EngineCore:
                 outputs = self._step_fn() + self.scheduler.take_error_outputs()
             except EngineDeadError:
                 raise
-            except Exception as e:  # noqa: BLE001 - any executor failure kills the engine
+            except Exception as e:
                 raise self._die(e) from e
             for output in outputs:
                 self._generation_tokens += len(output.new_token_ids)

@@ -6,10 +6,13 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from stepahead.config import EngineConfig
 from stepahead.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from stepahead.worker.async_output import AsyncModelRunnerOutput
 
 # The calls an executor sends its worker, by name (the mp executor sends the name down its pipe).
 RUNNER_METHODS = ("execute_model", "sample_tokens")
@@ -45,7 +48,7 @@ class StepRunner(Protocol):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None: ...
 
-    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput: ...
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput | AsyncModelRunnerOutput: ...
 
 
 class StepTimer:

@@ -52,7 +52,7 @@ class _Watched:
 
     conns: dict[Connection, int]
     sentinels: dict[int, int]
-    objects: list
+    objects: list[Any]
 
 
 class MultiprocExecutor(SubmittingExecutor):
@@ -68,7 +68,7 @@ class MultiprocExecutor(SubmittingExecutor):
         self.num_threads = config.num_threads or default_worker_threads(config.device,
                                                                         lone and worker_waits_passively())
         spawn = multiprocessing.get_context("spawn")
-        port = None if lone else free_tcp_port()
+        port = 0 if lone else free_tcp_port()  # a lone worker sets up no process group
         self._procs, self._calls, self._results = [], [], []
         worker_ends = []
         for rank in range(self.world_size):
@@ -167,7 +167,7 @@ class MultiprocExecutor(SubmittingExecutor):
         """Wait for news from the watched ranks: one message from each rank whose pipe has one, else
         (rank, "died", None) for each whose process ended. Pipes come first, so what a rank sent
         before dying (its error, its last outputs) is read before its death is noticed."""
-        ready = wait(watched.objects)
+        ready: list[Any] = wait(watched.objects)  # connections and sentinels, mixed
         mail = [(watched.conns[c], *self._recv(watched.conns[c])) for c in ready if c in watched.conns]
         return mail or [(watched.sentinels[s], "died", None) for s in ready]
 

@@ -57,7 +57,7 @@ def _check_safetensors(files: list[Path]) -> None:
             raise ValueError(f"model: weights file {str(f)!r} is not a readable safetensors file: {e}") from e
 
 
-def _folder_config(folder: Path, load_format: str) -> tuple[str, dict, str]:
+def _folder_config(folder: Path, load_format: str) -> tuple[str | None, dict, str]:
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
         raise ValueError(f"model: folder {str(folder)!r} has no config.json")

@@ -100,7 +100,8 @@ class ScriptedWorker:
         if self._pending is None:
             raise WorkerStateError("sample_tokens without an executed step")
         rows, self._pending = self._pending, None
-        req_ids, sampled = [], []
+        req_ids: list[str] = []
+        sampled: list[list[int]] = []
         for rid, samples in rows:
             state = self.states[rid]
             req_ids.append(rid)
@@ -215,7 +216,7 @@ class ScriptedExecutor(Executor):
                 continue
             try:
                 future.set_result(fn(arg))
-            except BaseException as e:  # noqa: BLE001 - reported through the future
+            except BaseException as e:
                 self._error = e
                 future.set_exception(e)
 

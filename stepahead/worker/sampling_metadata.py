@@ -147,6 +147,7 @@ class SamplingMetadata:
         suppress = [(i, t) for i, r in enumerate(rows)
                     if r.num_output_tokens < r.params.min_tokens for t in r.stop_token_ids]
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        num_logprobs = tuple(n for p in params if (n := p.logprobs) is not None)  # lp_rows' counts
         pen = [i for i, p in enumerate(params) if p.uses_penalties]
         rep = [i for i in pen if params[i].repetition_penalty != 1.0]
 
@@ -199,14 +200,14 @@ class SamplingMetadata:
             frequency_penalty=tensors.get("frequency_penalty"), presence_penalty=tensors.get("presence_penalty"),
             output_counts=counts, prompt_mask=mask,
             logprob_rows=tensors["logprob_rows"], logprob_row_ids=tuple(lp_rows),
-            num_logprobs=tuple(params[i].logprobs for i in lp_rows),
+            num_logprobs=num_logprobs,
             all_greedy=not rand,
             any_seeded=any(p.seed is not None for p in rp),
             any_unseeded=any(p.seed is None for p in rp),
             any_min_p=any(p.min_p > 0 for p in rp),
             max_top_k=max((top_k[j] for j in trunc), default=0),
             any_top_p_only=any(top_k[j] == 0 for j in trunc),
-            max_num_logprobs=max((params[i].logprobs for i in lp_rows), default=None),
+            max_num_logprobs=max(num_logprobs, default=None),
             candidate_search=device.type == "cpu" if candidate_search is None else candidate_search,
         )
 

@@ -70,7 +70,7 @@ def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: b
         return tokenizer.apply_chat_template(conversation, tokenize=False, **kwargs)
     except APIError:
         raise
-    except Exception as e:  # noqa: BLE001 - jinja2 errors and ValueErrors are the request's fault
+    except Exception as e:
         raise APIError(f"The chat template could not render these messages: {e}", 400, "messages") from e
 
 
@@ -117,7 +117,7 @@ def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], top_n
     for token_id, entry in zip(token_ids, entries, strict=False):
         sampled = entry.get(token_id)
         token = token_text(token_id, sampled, decode)
-        top = []
+        top: list[TopLogprob] = []
         for other_id, other in sorted(entry.items(), key=lambda kv: kv[1].rank):
             if other.rank <= top_n and len(top) < top_n:
                 text = token_text(other_id, other, decode)

@@ -89,7 +89,7 @@ def structured_outputs_of(req: SamplingFields) -> StructuredOutputsParams | None
     if len(asked) > 1:
         raise APIError(f"Only one of response_format, structured_outputs and guided_* may be set, got {asked}",
                        400, "structured_outputs")
-    if asked == ["response_format"]:
+    if asked == ["response_format"] and response_format is not None:
         if response_format.type == "json_object":
             return StructuredOutputsParams(json_object=True)
         schema = (response_format.json_schema or {}).get("schema")
