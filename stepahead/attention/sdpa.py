@@ -294,8 +294,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Layer
 def _fresh_runs(prefills: list[PrefillRow]) -> list[tuple[PrefillRow, int]]:
     """(first row, count) for each run of consecutive rows without a cached prefix, of one length and
     adjacent in the batch: SDPA computes each (row, head) of a batch on its own, so one call over a run
-    gives every row the bits it gets alone, and 32 prompts of 64 tokens take 4.1 ms per layer instead
-    of 6.0 in 32 calls."""
+    gives every row the bits it gets alone, and one call is faster than a call per row
+    (docs/BENCHMARKS.md, section 14.4)."""
     runs: list[tuple[PrefillRow, int]] = []
     for row in prefills:
         if row.block_table is not None:

@@ -2,9 +2,8 @@
 (one in all without parallelism).
 
 On CPU only a separate process truly overlaps the engine's Python bookkeeping with the forward pass:
-measured on a 2-core machine with 1 torch thread, a worker process hid the bookkeeping almost fully
-(1.27-1.49x the sequential speed at batch 1-16), while a worker thread was often slower than no
-overlap at all (see uni.py).
+a worker process hides the bookkeeping almost fully, while a worker thread fights the engine for the
+GIL (see uni.py).
 
 Calls go down one pipe per rank in order; every rank receives the same message (docs/design.md,
 "Tensor and pipeline parallelism": why every rank gets the message rather than a broadcast inside

@@ -1,8 +1,8 @@
 """UniProcExecutor: the ModelRunner in a thread of the engine process.
 
 For debugging and for CUDA, where kernel launches are asynchronous anyway. On CPU a thread overlaps
-little: the forward pass needs the GIL between its ops, and with many small ops a worker thread ran
-at 0.72-0.96x the speed of no overlap at all on a 2-core machine. That is why "mp" is the default there.
+little: the forward pass needs the GIL between its ops, and with many small ops a worker thread can
+run slower than no overlap at all. That is why "mp" is the default there.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ never outlives its engine.
 
 Every message wakes the engine process, which on a busy machine with few cores takes CPU from this
 one. So an output nobody waits for yet (execute_model's None, when the step's sample_tokens call is
-already queued) is held back and sent with the step's result: one message per step (docs/BENCHMARKS.md
-section 7: under load, the worker's gap between a step's two calls went from 0.3-0.4 to 0.15 ms). Held outputs
+already queued) is held back and sent with the step's result: one message per step (under load it
+shortens the worker's gap between a step's two calls: docs/BENCHMARKS.md, section 7). Held outputs
 are always sent before the worker blocks for the next call, so the engine never waits on one forever.
 
 With async outputs (CUDA) every result goes through an OutputResolver instead: its thread waits for a

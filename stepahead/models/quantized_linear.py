@@ -12,8 +12,8 @@
   8-bit kernel of the same kind (packed_gemm.cpp); otherwise (and for --quantization int8, one scale
   per row) `torch._weight_int8pack_mm` on bfloat16 activations, Q8_0 requantized per row.
 
-torch's kernels take bfloat16 activations: their fp32 variants are 5-30x slower (docs/BENCHMARKS.md
-section 14), and the rounding is far below the weights' own quantization error. Every kernel rounds
+torch's kernels take bfloat16 activations: their fp32 variants are many times slower (docs/BENCHMARKS.md
+section 14.4), and the rounding is far below the weights' own quantization error. Every kernel rounds
 its outputs to bfloat16 values. Inputs and outputs keep the model's dtype. A step of few tokens reads
 0.56-0.63 (int4) or 1 (int8) byte per weight instead of 4: such steps are bound by reading the weights.
 

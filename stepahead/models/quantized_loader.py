@@ -20,8 +20,8 @@ its dense weight (the same values) for prompt tokens, which are prefilled many a
 GEMM is several times faster than torch's weight-only kernels (models/prompt_rows.py), unless this
 machine's BLAS computes a row differently depending on the rest of the call (checked at load per
 weight shape). stepahead's own kernels run prompt tokens too: they are faster than fp32 GEMM at
-every row count measured (1.1-2.6x, from 1024 down to 16 rows on the build machine), and the dense
-copy would cost 4 bytes per weight.
+every row count measured (docs/BENCHMARKS.md, section 14.4), and the dense copy would cost 4 bytes
+per weight.
 """
 
 from __future__ import annotations
