@@ -79,9 +79,6 @@ class CacheConfig:
     block_size: int = 16
     num_blocks: int = 1024  # including the reserved null block 0
     enable_prefix_caching: bool = True
-    # Park freed blocks until every in-flight step that may write them has been processed
-    # (docs/design.md, "Deferred frees and step fences").
-    defer_block_free: bool = False
     # Set on CUDA when no pool size was given: the worker sizes the pool from this fraction of the
     # device's memory (num_blocks is then the most it may use) and reports the size it chose.
     gpu_memory_utilization: float | None = None

@@ -103,7 +103,6 @@ class Request:
         self.num_stale_output_tokens = 0
         self.drop_stale_output = False
         self.is_prefill_chunk = False
-        self.last_sched_seq = 0
         self.num_preemptions = 0
         self.num_cached_tokens = -1
         self.block_hashes: list[int] = []

@@ -86,7 +86,6 @@ class EngineArgs:
     model_cache: bool = _arg(True, "keep what loading a GGUF file derives (config, tokenizer, converted weights) "
                                    "in $STEPAHEAD_CACHE (default ~/.cache/stepahead), so later starts read only that")
     debug_invariants: bool = _arg(False, "check scheduler invariants after every step (slow)")
-    defer_block_free: bool = _arg(False, "park freed KV blocks until every in-flight step is processed")
     trace: bool = _arg(False, "record a timeline trace of engine and worker events")
     attention_backend: str = _arg(
         "auto", "'triton': paged-attention kernels that read the block table (CUDA); 'sdpa': torch SDPA over "
@@ -132,10 +131,6 @@ class EngineArgs:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
-
-    @classmethod
-    def field_help(cls, name: str) -> str:
-        return next(f.metadata.get("help", "") for f in fields(cls) if f.name == name)
 
     def resolve_device(self) -> str:
         if self.device != "auto":
@@ -186,7 +181,6 @@ class EngineArgs:
             block_size=self.block_size,
             num_blocks=num_blocks,
             enable_prefix_caching=self.enable_prefix_caching,
-            defer_block_free=self.defer_block_free,
             gpu_memory_utilization=gpu_memory_utilization,
             cache_dtype=cache_dtype,
         )
