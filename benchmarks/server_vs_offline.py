@@ -182,7 +182,7 @@ def main() -> None:
     args = p.parse_args()
 
     from stepahead.engine.arg_utils import EngineArgs
-    from stepahead.models.loader import load_tokenizer
+    from stepahead.models.loading.loader import load_tokenizer
 
     model_config = EngineArgs(model=args.model).create_engine_config().model_config
     tok = load_tokenizer(model_config)

@@ -11,7 +11,7 @@ from stepahead.validation import check_field
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_KV_CACHE_BYTES_CPU = 2 << 30
-# --quantization (models/quantized_loader.py says what each means).
+# --quantization (models/quant/quantized_loader.py says what each means).
 QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8", "int4")
 # --kv-cache-dtype (engine/arg_utils.py, resolve_kv_cache_dtype, says what "auto" picks).
 KV_CACHE_DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
@@ -35,16 +35,16 @@ class ModelConfig:
     served_model_name: str | None = None
     tokenizer: str | None = None  # folder holding the tokenizer; defaults to the model's
     # A model-cache folder holding the checkpoint converted (config, tokenizer, safetensors weights):
-    # loads read it instead of the source (models/model_cache.py).
+    # loads read it instead of the source (models/loading/model_cache.py).
     converted: str | None = None
-    # SamplingParams defaults from the model's generation_config.json (models/generation_config.py).
+    # SamplingParams defaults from the model's generation_config.json (models/loading/generation_config.py).
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     chat_template: str | None = None  # replaces the tokenizer's chat template (Jinja text)
     # End tokens beyond eos_token_id (config.json's or generation_config.json's list): they finish
     # requests as EOS does, unless ignore_eos.
     extra_eos_token_ids: tuple[int, ...] = ()
     # "none": dense weights in dtype; "gguf": the GGUF file's Q4_0/Q4_1/Q8_0 tensors kept packed;
-    # "int4"/"int8": projections quantized at load (CPU; models/quantized_loader.py). Never "auto".
+    # "int4"/"int8": projections quantized at load (CPU; models/quant/quantized_loader.py). Never "auto".
     quantization: str = "none"
 
     def kv_bytes_per_token(self, cache_dtype: str | None = None) -> int:

@@ -12,7 +12,7 @@ number of worker steps:
 - host: the rest of the worker step (input preparation, Python between kernels, messages).
 
 The hooks cost a few microseconds each (about 6 per layer per step), which the host share absorbs.
-DecodeStack (a packed model's decode-only step in one C++ call, models/cpu_decode_stack.py) is off
+DecodeStack (a packed model's decode-only step in one C++ call, kernels/cpu_decode_stack.py) is off
 while timed: hooks cannot see into it, so the breakdown shows the same arithmetic through the layers,
 with the Python the stack saves.
 """

@@ -44,7 +44,7 @@ def load_hf_model(model: str | None, load_format: str = "auto"):
     import torch
     import transformers
 
-    from stepahead.models.loader import builtin_model_path
+    from stepahead.models.loading.loader import builtin_model_path
 
     path = Path(builtin_model_path() if model is None else model)
     gguf_file = path.name if path.suffix == ".gguf" else None

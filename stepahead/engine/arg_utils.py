@@ -140,7 +140,7 @@ class EngineArgs:
         return "cuda" if torch.cuda.is_available() else "cpu"
 
     def create_engine_config(self) -> EngineConfig:
-        from stepahead.models.loader import load_model_config
+        from stepahead.models.loading.loader import load_model_config
 
         device = self.resolve_device()
         parallel_config = self.parallel_config()

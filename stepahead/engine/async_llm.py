@@ -104,7 +104,7 @@ StatsListener = Callable[[IterationStats, EngineStats | None], None]
 
 class AsyncLLM:
     def __init__(self, config: EngineConfig, tokenizer=None, *, trace_path: str | None = None) -> None:
-        from stepahead.models.loader import load_tokenizer
+        from stepahead.models.loading.loader import load_tokenizer
 
         self.config = config
         self.model_config = config.model_config

@@ -31,7 +31,7 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         from stepahead.engine.core import EngineCore
         from stepahead.executor import make_executor
-        from stepahead.models.loader import load_tokenizer
+        from stepahead.models.loading.loader import load_tokenizer
 
         unknown = sorted(set(kwargs) - set(EngineArgs.field_names()))
         if unknown:

@@ -25,7 +25,7 @@ _tokenizer: Any = None  # the child's
 
 def _load(model_config: ModelConfig) -> None:
     global _tokenizer
-    from stepahead.models.loader import load_tokenizer
+    from stepahead.models.loading.loader import load_tokenizer
 
     _tokenizer = load_tokenizer(model_config)
 

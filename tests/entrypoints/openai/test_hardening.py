@@ -173,7 +173,7 @@ def test_logprob_bytes_are_each_tokens_raw_bytes(http):
 
 def test_token_bytes_of_the_builtin_tokenizer():
     from stepahead.entrypoints.openai.token_bytes import TokenBytes
-    from stepahead.models.loader import load_model_config, load_tokenizer
+    from stepahead.models.loading.loader import load_model_config, load_tokenizer
 
     tokenizer = load_tokenizer(load_model_config(None, "cpu"))
     raw = TokenBytes(tokenizer)
