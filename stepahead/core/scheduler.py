@@ -376,7 +376,7 @@ class Scheduler:
             if grammar_manager.accept_tokens(req, new_ids):
                 return None
             return f"the grammar rejected sampled tokens {new_ids}"
-        except Exception as e:
+        except Exception as e:  # one request's grammar fails that request alone
             return f"the grammar matcher failed: {e!r}"
 
     def _discard_finished_in_flight(self, rid: str, num_tokens: int) -> bool:

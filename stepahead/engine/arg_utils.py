@@ -36,7 +36,7 @@ CHOICES = {
 }
 
 
-def _arg(default, help: str):
+def _arg(default, help: str):  # the argparse word
     return field(default=default, metadata={"help": help})
 
 

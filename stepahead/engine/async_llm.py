@@ -285,7 +285,7 @@ class AsyncLLM:
                     return
         except asyncio.CancelledError:
             raise
-        except Exception as e:
+        except Exception as e:  # a bug here must not leave clients hanging
             logger.exception("The engine output loop failed")
             self._set_dead(f"The engine output loop failed: {e!r}")
 
@@ -339,7 +339,7 @@ class AsyncLLM:
         for listener in self.stats_listeners:
             try:
                 listener(iteration, engine_stats)
-            except Exception:
+            except Exception:  # metrics must never break serving
                 logger.exception("A stats listener failed")
 
     # -- failure and shutdown --------------------------------------------------------------------------

@@ -132,7 +132,7 @@ class EngineCore:
                 outputs = self._step_fn() + self.scheduler.take_error_outputs()
             except EngineDeadError:
                 raise
-            except Exception as e:
+            except Exception as e:  # any executor failure kills the engine
                 raise self._die(e) from e
             for output in outputs:
                 self._generation_tokens += len(output.new_token_ids)

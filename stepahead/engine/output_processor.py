@@ -204,7 +204,7 @@ class OutputProcessor:
         with "error" and the reason, and the engine is told to stop it."""
         try:
             return self._update_child(child, output)
-        except Exception as e:
+        except Exception as e:  # one request's output fails that request alone
             logger.error("request %s: processing its output failed: %r", child.engine_id, e)
             child.finish_reason, child.stop_reason = "error", f"processing the output failed: {e!r}"
             return not output.finished

@@ -128,7 +128,7 @@ class RayExecutor(SubmittingExecutor):
                 return
             try:
                 outputs = self._ray.get(refs)
-            except Exception as e:
+            except Exception as e:  # a rank raised or its actor died
                 if self._pending.closed:
                     return
                 error = WorkerError(f"a stepahead Ray worker rank failed or died: {e}")
@@ -144,7 +144,7 @@ class RayExecutor(SubmittingExecutor):
         for actor in self._actors:
             try:
                 self._ray.kill(actor)
-            except Exception:
+            except Exception:  # already gone
                 pass
         try:
             remove_placement_group(self._pg)

@@ -54,7 +54,7 @@ class UniProcExecutor(SubmittingExecutor):
         try:
             # The engine thread needs a core of its own while a step runs (see default_worker_threads).
             run_call = load_runner(self.config, self.num_threads)
-        except BaseException as e:
+        except BaseException as e:  # surfaced to the constructor's caller
             ready.set_exception(e)
             return
         self.num_kv_blocks = run_call.num_kv_blocks
@@ -72,7 +72,7 @@ class UniProcExecutor(SubmittingExecutor):
             method, arg = item
             try:
                 output = run_call(method, arg)
-            except BaseException as e:
+            except BaseException as e:  # every pending future learns of the failure
                 self._fail(method, e)
                 return
             if resolver is not None:

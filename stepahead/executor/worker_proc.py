@@ -39,7 +39,7 @@ def worker_main(config: EngineConfig, num_threads: int, calls: Connection, resul
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         run_call = load_runner(config, num_threads, rank)
-    except BaseException:
+    except BaseException:  # reported to the engine, which raises it to the user
         results.send(("error", f"loading the model failed:\n{traceback.format_exc()}"))
         raise SystemExit(EXIT_ON_ERROR) from None
     results.send(("ready", run_call.num_kv_blocks))
@@ -67,7 +67,7 @@ def worker_main(config: EngineConfig, num_threads: int, calls: Connection, resul
             return
         try:
             output = run_call(method, arg)
-        except BaseException:
+        except BaseException:  # the state is unknown after a failure: report and exit
             if resolver is not None:
                 resolver.close()  # its thread stops sending before this one does
             results.send(("error", f"{method} raised:\n{traceback.format_exc()}"))

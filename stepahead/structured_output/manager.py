@@ -139,12 +139,12 @@ class StructuredOutputManager:
                 if not matcher.is_terminated():  # a terminated one has finished
                     live.append(i)
                 matchers.append(matcher)
-            except Exception as e:
+            except Exception as e:  # one request's grammar fails that request alone
                 failed[request.request_id] = f"the grammar matcher failed: {e!r}"
                 matchers.append(None)
         try:
             self._fill(bitmask, matchers, live)
-        except Exception:
+        except Exception:  # find the matcher at fault, one at a time
             for i in live:
                 try:
                     matchers[i].fill_next_token_bitmask(bitmask, i)

@@ -216,7 +216,7 @@ class ScriptedExecutor(Executor):
                 continue
             try:
                 future.set_result(fn(arg))
-            except BaseException as e:
+            except BaseException as e:  # reported through the future
                 self._error = e
                 future.set_exception(e)
 

@@ -470,7 +470,7 @@ class ModelRunner:
                 sampled = sample(logits, metadata)
             else:
                 sampled = SamplerOutput(torch.empty(0, dtype=torch.long, device=self.device))
-        except Exception as e:
+        except Exception as e:  # a row's failure fails its request, not the step
             apart = sample_rows_apart(logits, rows, e)
             metadata, sampled = None, SamplerOutput(torch.tensor(apart.token_ids, dtype=torch.long, device=self.device))
         self.prev_sampled_token_ids = sampled.sampled_token_ids

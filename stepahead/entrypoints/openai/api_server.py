@@ -65,7 +65,7 @@ def stepahead_version() -> str:
         from importlib.metadata import version
 
         return version("stepahead")
-    except Exception:
+    except Exception:  # running from a source tree without metadata
         return "0.0.0+unknown"
 
 
@@ -253,7 +253,7 @@ async def run_server(ns: argparse.Namespace) -> int:
         return 2
     try:
         await engine.start()
-    except Exception as e:
+    except Exception as e:  # startup failure: a clear line and a non-zero exit
         logger.error("%s", e)
         engine.shutdown()
         sock.close()

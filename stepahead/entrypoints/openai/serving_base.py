@@ -222,7 +222,7 @@ class OpenAIServing:
             stream_options = ctx.req.stream_options
             if stream_options is not None and stream_options.include_usage:
                 yield ctx.chunk([], _usage(prompt_tokens, choices))
-        except Exception as e:
+        except Exception as e:  # after the 200 header an error can only be an event
             yield sse_error(e)
         yield SSE_DONE
 

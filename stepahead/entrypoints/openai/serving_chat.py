@@ -70,7 +70,7 @@ def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: b
         return tokenizer.apply_chat_template(conversation, tokenize=False, **kwargs)
     except APIError:
         raise
-    except Exception as e:
+    except Exception as e:  # jinja2 errors and ValueErrors are the request's fault
         raise APIError(f"The chat template could not render these messages: {e}", 400, "messages") from e
 
 

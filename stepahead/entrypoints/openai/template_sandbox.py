@@ -37,7 +37,7 @@ def _ready() -> bool:
 def _render(conversation: list[dict], template: str, kwargs: dict[str, Any], max_chars: int) -> str | Exception:
     try:
         text = _tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False, **kwargs)
-    except Exception as e:
+    except Exception as e:  # the template's error goes back as the 400's message
         return ValueError(f"the chat template could not render these messages: {e}")
     if len(text) > max_chars:
         return ValueError(f"the chat template rendered {len(text)} characters, more than {max_chars}")
