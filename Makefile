@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.stepahead-installed
 
-.PHONY: test run lint
+.PHONY: test run lint check
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -25,4 +25,9 @@ run: $(STAMP)
 	$(VENV)/bin/stepahead generate "What is the capital of France?" --max-tokens 32 --temperature 0
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check stepahead tests
+	$(VENV)/bin/ruff check --extend-select RUF100 stepahead tests benchmarks
+
+# What CI runs before the tests: the linter (unused noqa comments included) and the type checker
+# (configured in pyproject.toml).
+check: lint
+	$(PY) -m mypy

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from quant_quality import prompts
 
 from stepahead.bench.full_forward import greedy_tokens, sequence_logits
-from stepahead.models.loader import load_model, load_model_config, load_tokenizer
-from stepahead.models.quantized_linear import Int4Linear
+from stepahead.models.loading.loader import load_model, load_model_config, load_tokenizer
+from stepahead.models.quant.quantized_linear import Int4Linear
 
 
 def quantized_activations(x: torch.Tensor, bits: int) -> torch.Tensor:

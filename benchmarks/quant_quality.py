@@ -24,7 +24,7 @@ import torch
 
 from stepahead import LLM, SamplingParams
 from stepahead.bench.full_forward import sequence_logits
-from stepahead.models.loader import load_model
+from stepahead.models.loading.loader import load_model
 
 TOPICS = ["France", "the Moon", "photosynthesis", "the Roman Empire", "Python lists", "rainbows", "volcanoes",
           "the heart", "gravity", "coffee", "the Internet", "penguins", "chess", "the ocean", "music", "bread"]
@@ -92,7 +92,7 @@ def main() -> None:
 
 
 def _decode(model, ids):
-    from stepahead.models.loader import load_model_config, load_tokenizer
+    from stepahead.models.loading.loader import load_model_config, load_tokenizer
 
     return load_tokenizer(load_model_config(model, "cpu")).decode(ids)
 

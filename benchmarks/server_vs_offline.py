@@ -91,7 +91,7 @@ def run_offline(args, prompts: list[list[int]], out_lens: list[int]) -> dict:
 def start_server(args, log_path: Path) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "stepahead.entrypoints.openai.api_server", *([args.model] if args.model else []),
            "--port", "0", *engine_flags(args)]
-    log = open(log_path, "w")  # noqa: SIM115 - the server writes it for its whole life
+    log = open(log_path, "w")  # the server writes it for its whole life
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ,
                                                                                       "PYTHONUNBUFFERED": "1"})
     deadline = time.monotonic() + 600
@@ -182,7 +182,7 @@ def main() -> None:
     args = p.parse_args()
 
     from stepahead.engine.arg_utils import EngineArgs
-    from stepahead.models.loader import load_tokenizer
+    from stepahead.models.loading.loader import load_tokenizer
 
     model_config = EngineArgs(model=args.model).create_engine_config().model_config
     tok = load_tokenizer(model_config)

@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.model is None:
-        from stepahead.models.loader import builtin_model_path
+        from stepahead.models.loading.loader import builtin_model_path
 
         args.model = builtin_model_path()
     pool = ["--num-kv-blocks", str(args.num_kv_blocks)] if args.num_kv_blocks else []

@@ -12,7 +12,7 @@ from stepahead.validation import InvalidInputError, check_field
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_KV_CACHE_BYTES_CPU = 2 << 30
-# --quantization (models/quantized_loader.py says what each means).
+# --quantization (models/quant/quantized_loader.py says what each means).
 QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8", "int4")
 # --kv-cache-dtype (engine/arg_utils.py, resolve_kv_cache_dtype, says what "auto" picks).
 KV_CACHE_DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
@@ -36,16 +36,16 @@ class ModelConfig:
     served_model_name: str | None = None
     tokenizer: str | None = None  # folder holding the tokenizer; defaults to the model's
     # A model-cache folder holding the checkpoint converted (config, tokenizer, safetensors weights):
-    # loads read it instead of the source (models/model_cache.py).
+    # loads read it instead of the source (models/loading/model_cache.py).
     converted: str | None = None
-    # SamplingParams defaults from the model's generation_config.json (models/generation_config.py).
+    # SamplingParams defaults from the model's generation_config.json (models/loading/generation_config.py).
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     chat_template: str | None = None  # replaces the tokenizer's chat template (Jinja text)
     # End tokens beyond eos_token_id (config.json's or generation_config.json's list): they finish
     # requests as EOS does, unless ignore_eos.
     extra_eos_token_ids: tuple[int, ...] = ()
     # "none": dense weights in dtype; "gguf": the GGUF file's Q4_0/Q4_1/Q8_0 tensors kept packed;
-    # "int4"/"int8": projections quantized at load (CPU; models/quantized_loader.py). Never "auto".
+    # "int4"/"int8": projections quantized at load (CPU; models/quant/quantized_loader.py). Never "auto".
     quantization: str = "none"
 
     def kv_bytes_per_token(self, cache_dtype: str | None = None) -> int:
@@ -105,15 +105,18 @@ class SpeculativeConfig:
                     "speculative_config.num_speculative_tokens", self.num_speculative_tokens, "must be an int >= 1")
 
     @classmethod
-    def from_user(cls, value: str | dict) -> SpeculativeConfig:
+    def from_user(cls, given: str | dict) -> SpeculativeConfig:
         """A dict, or its JSON text (the CLI's --speculative-config); unknown keys are refused."""
-        if isinstance(value, str):
+        value: Any = given
+        if isinstance(given, str):
             try:
-                value = json.loads(value)
+                value = json.loads(given)
             except json.JSONDecodeError as e:
-                raise InvalidInputError(f"speculative_config must be a JSON object, got {value!r}: {e}",
+                raise InvalidInputError(f"speculative_config must be a JSON object, got {given!r}: {e}",
                                         param="speculative_config") from None
-        check_field(isinstance(value, dict), "speculative_config", value, "must be a JSON object")
+        if not isinstance(value, dict):
+            raise InvalidInputError(f"speculative_config must be a JSON object, got {value!r}",
+                                    param="speculative_config")
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - names)
         check_field(not unknown, "speculative_config", unknown, f"has unknown keys (known: {', '.join(sorted(names))})")
@@ -127,9 +130,6 @@ class CacheConfig:
     block_size: int = 16
     num_blocks: int = 1024  # including the reserved null block 0
     enable_prefix_caching: bool = True
-    # Park freed blocks until every in-flight step that may write them has been processed
-    # (docs/design.md, "Deferred frees and step fences").
-    defer_block_free: bool = False
     # Set on CUDA when no pool size was given: the worker sizes the pool from this fraction of the
     # device's memory (num_blocks is then the most it may use) and reports the size it chose.
     gpu_memory_utilization: float | None = None

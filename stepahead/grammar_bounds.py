@@ -10,6 +10,7 @@ engine's messages never carry a structure whose depth a request controls.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from typing import Any
 
 from stepahead.validation import InvalidInputError
@@ -31,7 +32,7 @@ def json_value_depth(value: Any) -> int:
     while stack:
         node, depth = stack.pop()
         if isinstance(node, dict):
-            children = node.values()
+            children: Iterable[Any] = node.values()
         elif isinstance(node, (list, tuple)):
             children = node
         else:

@@ -110,7 +110,6 @@ class Request:
         # Drafts scheduled in steps whose output has not been processed, those scheduled before the
         # last preemption excepted; part of num_output_placeholders under async scheduling.
         self.num_in_flight_draft_tokens = 0
-        self.last_sched_seq = 0
         self.num_preemptions = 0
         self.num_cached_tokens = -1
         self.block_hashes: list[int] = []

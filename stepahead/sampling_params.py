@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -164,7 +165,9 @@ class SamplingParams:
 
     def validate_token_ids(self, vocab_size: int) -> None:
         """Token ids in the parameters must exist in the model's vocabulary."""
-        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias or ()),
-                          ("allowed_token_ids", self.allowed_token_ids or ())):
+        checked: tuple[tuple[str, Iterable[int]], ...] = (
+            ("stop_token_ids", self.stop_token_ids or ()), ("logit_bias", self.logit_bias or ()),
+            ("allowed_token_ids", self.allowed_token_ids or ()))
+        for name, ids in checked:
             out_of_vocab = [token_id for token_id in ids if token_id >= vocab_size][:8]
             check_field(not out_of_vocab, name, out_of_vocab, f"must be token ids in [0, {vocab_size})")

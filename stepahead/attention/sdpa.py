@@ -128,15 +128,15 @@ class StagedMetadata:
             table = staging.view(table_offset, rows * width, (rows, width))
             groups.append(DecodeGroup(first, end, table, lens, mask))
         prefills = []
-        for row, table_offset in self.prefills:
+        for row, prefix_offset in self.prefills:
             end = row.start + row.num_new_tokens
-            if table_offset is None:
+            if prefix_offset is None:
                 prefills.append(PrefillRow(row.start, end, 0, None, None))
                 continue
             new, cached = row.num_new_tokens, row.num_computed_tokens
             keys = arange[: cached + new]
             mask = (keys.unsqueeze(0) <= (arange[:new] + cached).unsqueeze(1)).view(1, 1, new, cached + new)
-            table = staging.view(table_offset, row.blocks_needed(block_size))
+            table = staging.view(prefix_offset, row.blocks_needed(block_size))
             prefills.append(PrefillRow(row.start, end, cached, table, mask))
         return AttentionMetadata(slot_mapping, groups, prefills)
 
@@ -294,8 +294,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Layer
 def _fresh_runs(prefills: list[PrefillRow]) -> list[tuple[PrefillRow, int]]:
     """(first row, count) for each run of consecutive rows without a cached prefix, of one length and
     adjacent in the batch: SDPA computes each (row, head) of a batch on its own, so one call over a run
-    gives every row the bits it gets alone, and 32 prompts of 64 tokens take 4.1 ms per layer instead
-    of 6.0 in 32 calls."""
+    gives every row the bits it gets alone, and one call is faster than a call per row
+    (docs/BENCHMARKS.md, section 14.4)."""
     runs: list[tuple[PrefillRow, int]] = []
     for row in prefills:
         if row.block_table is not None:

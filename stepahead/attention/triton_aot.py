@@ -97,6 +97,7 @@ def variants(full: bool) -> Iterator[Variant]:
                 q, k, v, k_cache, v_cache, meta = _batch(dtype, head_dim, block_size, 4, 1)
                 slots = torch.zeros(q.shape[0], dtype=torch.int64)
                 launch = triton_paged.write_kv_launch(k, v, k_cache, v_cache, slots)
+                assert launch is not None  # the batch has tokens
                 yield Variant(f"write_kv {base}", launch)
                 every_split = full or (dtype_name, head_dim, block_size) == ("bf16", 128, 16)
                 splits = triton_paged.KV_SPLIT_CHOICES if every_split else (1,)

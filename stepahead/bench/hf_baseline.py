@@ -44,7 +44,7 @@ def load_hf_model(model: str | None, load_format: str = "auto"):
     import torch
     import transformers
 
-    from stepahead.models.loader import builtin_model_path
+    from stepahead.models.loading.loader import builtin_model_path
 
     path = Path(builtin_model_path() if model is None else model)
     gguf_file = path.name if path.suffix == ".gguf" else None
@@ -143,7 +143,7 @@ def cache_page_tokens() -> int:
 
     defaults = transformers.ContinuousBatchingConfig()
     page_size = getattr(defaults, "page_size", None)
-    return page_size if page_size is not None else defaults.block_size
+    return page_size if page_size is not None else defaults.block_size  # type: ignore[return-value]  # one is set
 
 
 # transformers 5.17 sizes a CPU cache by psutil's free-memory figure, which it takes as 0 without psutil.

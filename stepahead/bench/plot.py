@@ -16,11 +16,11 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only; never a display
 
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.patches import Patch  # noqa: E402
+import matplotlib.pyplot as plt
+from matplotlib.patches import Patch
 
-from stepahead.bench.trace import busy_seconds, forward_events  # noqa: E402
-from stepahead.tracing import TraceEvent  # noqa: E402
+from stepahead.bench.trace import busy_seconds, forward_events
+from stepahead.tracing import TraceEvent
 
 # Fixed colours for the events the engine and worker emit; anything else takes the next colour of the cycle.
 KNOWN_COLORS = {
@@ -54,7 +54,7 @@ def steady_window(events: Sequence[TraceEvent], num_steps: int) -> Window:
     forwards = forward_events(events)
     stages = {e.args.get("stage") for e in forwards}
     if len(stages) > 1:  # pipeline parallel: a step is the last stage's forward
-        last = max(stages)
+        last = max(stages)  # type: ignore[type-var]  # pipeline runs stamp every forward with its stage
         forwards = [e for e in forwards if e.args.get("stage") == last]
     if not forwards:
         raise ValueError("trace has no worker 'forward' event: was the engine built with trace=True?")

@@ -204,7 +204,7 @@ def prompt_tokenizer(tokenizer_flag: str | None, model: str, root: str | None) -
         if tokenizer is None:
             raise ValueError(f"tokenizer {tokenizer_flag!r} is not a local folder, .gguf file or cached model")
         return tokenizer, tokenizer_flag
-    tried = []
+    tried: list[tuple[str, str]] = []
     for what, source in (("the served model's name", model), ("its root on the server", root)):
         if source is None or any(source == tried_source for _, tried_source in tried):
             continue

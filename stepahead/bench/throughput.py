@@ -18,6 +18,7 @@ import dataclasses
 import statistics
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from stepahead.bench.datasets import SampleRequest, load_jsonl_requests, random_token_requests
 from stepahead.bench.report import (
@@ -215,7 +216,7 @@ def run_compare_sync(ns, engine_args: EngineArgs, tracing: bool) -> dict:
     finally:
         for llm in engines.values():
             llm.shutdown()
-    summary = {
+    summary: dict[str, Any] = {
         mode: {
             "output_tok_s_median": statistics.median(run.output_tok_s for run in runs if run.label == mode),
             "total_tok_s_median": statistics.median(run.total_tok_s for run in runs if run.label == mode),
@@ -264,7 +265,7 @@ def run_compare_transformers(ns, engine_args: EngineArgs, tracing: bool) -> dict
         baselines.append(run_generate_batch(hf_model, requests, step_tokens))
     for baseline in baselines:
         print(baseline.line())
-    summary = {"stepahead": ours.to_dict(), "transformers": [baseline.to_dict() for baseline in baselines],
+    summary: dict[str, Any] = {"stepahead": ours.to_dict(), "transformers": [baseline.to_dict() for baseline in baselines],
                "ratios": {baseline.name: ours.output_tok_s / baseline.output_tok_s for baseline in baselines}}
     for name, ratio in summary["ratios"].items():
         print(f"stepahead / {name}: {ratio:.2f}x")

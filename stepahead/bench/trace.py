@@ -25,12 +25,12 @@ def busy_seconds(events: Sequence[TraceEvent], lane: str, window_start: float, w
         if end <= start:
             continue
         if merged_end is None or start > merged_end:
-            if merged_end is not None:
+            if merged_start is not None and merged_end is not None:
                 total += merged_end - merged_start
             merged_start, merged_end = start, end
         else:
             merged_end = max(merged_end, end)
-    if merged_end is not None:
+    if merged_start is not None and merged_end is not None:
         total += merged_end - merged_start
     return total
 

@@ -30,10 +30,6 @@ class SchedulerState(Protocol):
     finished_req_ids: set[str]
     finished_in_flight_tokens: dict[str, int]
     kv_cache_manager: KVCacheManager
-    defer_block_free: bool
-    sched_step_seq: int
-    processed_step_seq: int
-    deferred_frees: deque[tuple[int, list]]
 
 
 def _fail(code: str, msg: str) -> None:
@@ -77,7 +73,7 @@ def check_after_schedule(sched: SchedulerState, scheduler_output: SchedulerOutpu
 
 
 def check_scheduler(sched: SchedulerState, in_flight: list[SchedulerOutput] | None = None) -> None:
-    """Per-request counters (I1, I3, I7), queues, I2/I12 against in_flight if given, then the KV pool."""
+    """Per-request counters (I1, I3, I7), queues, I2 against in_flight if given, then the KV pool."""
     uses_placeholders = sched.uses_placeholders
     queued = Counter(id(r) for r in (*sched.running, *sched.waiting, *sched.skipped_waiting))
     if len(queued) != len(sched.requests) or any(c != 1 for c in queued.values()):
@@ -126,11 +122,6 @@ def check_scheduler(sched: SchedulerState, in_flight: list[SchedulerOutput] | No
         grammar = req.structured_output
         if grammar is not None and grammar.matcher is not None and grammar.num_accepted_tokens != req.num_output_tokens:
             _fail("G1", f"grammar accepted {grammar.num_accepted_tokens} tokens, output has {req.num_output_tokens}: {req}")
-    if in_flight is not None and sched.defer_block_free:
-        num_non_empty = sum(1 for s in in_flight if s.total_num_scheduled_tokens > 0)
-        seq_gap = sched.sched_step_seq - sched.processed_step_seq
-        if seq_gap != num_non_empty:
-            _fail("I12", f"seq gap {seq_gap} != {num_non_empty} in flight")
     check_kv(sched)
 
 
@@ -160,8 +151,6 @@ def check_kv(sched: SchedulerState) -> None:
         if rid not in sched.requests:
             _fail("I10", f"blocks held for unknown request {rid}")
         holders.update(b.block_id for b in blocks)
-    for _, blocks in sched.deferred_frees:
-        holders.update(b.block_id for b in blocks)
     free_ids = pool.free_block_queue.ids()
     if len(free_ids) != pool.free_block_queue.num_free_blocks or len(set(free_ids)) != len(free_ids):
         _fail("I10", "free queue length or uniqueness broken")
@@ -174,7 +163,7 @@ def check_kv(sched: SchedulerState) -> None:
         if (block.ref_cnt == 0) != (block.block_id in free_set):
             _fail("I10", f"{block}: free-queue membership disagrees with ref_cnt")
     if len(free_set) + sum(1 for b in pool.blocks[1:] if b.ref_cnt > 0) != pool.num_usable_blocks:
-        _fail("I10", "free + held + deferred != usable blocks")
+        _fail("I10", "free + held != usable blocks")
     for block_hash, entry in pool.cached_block_hash_to_block.items():
         for block_id, block in entry.items():
             if block.block_id != block_id or block.block_hash != block_hash:

@@ -203,6 +203,3 @@ class KVCacheManager:
         if not blocks:
             return []
         return blocks[::-1]
-
-    def free_blocks(self, ordered: list[KVCacheBlock]) -> None:
-        self.block_pool.free_blocks(ordered)

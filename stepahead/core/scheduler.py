@@ -42,6 +42,8 @@ class StructuredOutputBackend(Protocol):
 
     def wait_for_any(self, requests: list[Request], timeout: float) -> None: ...  # until one compile is done
 
+    def shutdown(self) -> None: ...
+
 
 class Scheduler:
     """Decides, step by step, which requests run and for how many tokens; owns every unfinished request.
@@ -50,8 +52,8 @@ class Scheduler:
     per-request counters. The caller hands every scheduled step's output to update_from_output
     once, oldest first (checked in debug mode). Guarantees: each step respects the token budget,
     max_num_seqs and the context length; each token reaches the caller once, in order, never after
-    its request finished; with deferred frees, blocks go back to the pool only when no unprocessed
-    step can still write them. This class schedules synchronously (one step at a time);
+    its request finished; a finished or preempted request's blocks go back to the pool at once
+    (docs/design.md, "Freeing blocks"). This class schedules synchronously (one step at a time);
     AsyncScheduler schedules ahead of the outputs with placeholders. The invariants it keeps are
     listed in docs/design.md, "Invariants".
     """
@@ -98,12 +100,6 @@ class Scheduler:
         # Finished requests with steps still in flight: id -> their in-flight tokens. Lets those
         # steps' outputs be discarded even if the same id is re-added meanwhile.
         self.finished_in_flight_tokens: dict[str, int] = {}
-
-        # Deferred frees (docs/design.md, "Deferred frees and step fences").
-        self.defer_block_free = cache_config.defer_block_free
-        self.sched_step_seq = 0
-        self.processed_step_seq = 0
-        self.deferred_frees: deque[tuple[int, list]] = deque()
 
         self.debug_invariants = scheduler_config.debug_invariants
         self._debug_in_flight: deque[SchedulerOutput] = deque()
@@ -165,8 +161,6 @@ class Scheduler:
             plan, self.kv_cache_manager, self.prev_step_scheduled_req_ids, self.finished_req_ids,
             self.reset_preempted_req_ids, self.current_step)
         self.prev_step_scheduled_req_ids = set(plan.num_scheduled)
-        if self.defer_block_free and scheduler_output.total_num_scheduled_tokens > 0:
-            self.sched_step_seq += 1
         self._update_after_schedule(scheduler_output)
         if self.debug_invariants:
             self._debug_in_flight.append(scheduler_output)
@@ -202,10 +196,7 @@ class Scheduler:
                 continue
             new_blocks = kv.allocate_slots(req, num_new)
             while new_blocks is None:
-                victim = running[-1]  # FCFS: the most recently admitted request
-                if not self._request_blocks_can_be_freed(victim):
-                    break  # freeing it would free nothing now; preempting would cascade (P6)
-                running.pop()
+                victim = running.pop()  # FCFS: the most recently admitted request
                 self._preempt_request(victim, drop_stale_output=False)
                 plan.preempted.append(victim)
                 if victim is req:
@@ -282,6 +273,7 @@ class Scheduler:
         """Whether a request waiting for its grammar may be admitted now. A failed compile finishes
         it with "error" (the output is handed out by take_error_outputs)."""
         grammar_manager = self.structured_output_manager
+        assert grammar_manager is not None, "only a configured backend puts requests in WAITING_FOR_GRAMMAR"
         if not grammar_manager.is_ready(request):
             return False
         error = grammar_manager.compile_error(request)
@@ -311,15 +303,11 @@ class Scheduler:
 
     def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
         requests = self.requests
-        step_seq = self.sched_step_seq
-        defer = self.defer_block_free
         has_grammar_requests = False
         for rid, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             req = requests[rid]
             req.num_computed_tokens += num_scheduled
             req.num_in_flight_tokens += num_scheduled
-            if defer:
-                req.last_sched_seq = step_seq
             req.is_prefill_chunk = req.num_computed_tokens < req.num_tokens + req.num_output_placeholders
             if req.use_structured_output and not req.is_prefill_chunk:
                 has_grammar_requests = True
@@ -339,9 +327,6 @@ class Scheduler:
             assert self._debug_in_flight and self._debug_in_flight[0] is scheduler_output, \
                 "update_from_output must be called once per scheduled step, in FIFO order"
             self._debug_in_flight.popleft()
-        if self.defer_block_free and scheduler_output.total_num_scheduled_tokens > 0:
-            self.processed_step_seq += 1
-            self._drain_deferred_frees()
         outputs: list[EngineCoreOutput] = []
         row_of = {rid: row for row, rid in enumerate(model_runner_output.req_ids)}
         sampled_rows = model_runner_output.sampled_token_ids
@@ -382,7 +367,7 @@ class Scheduler:
             is_first_output = req.num_output_tokens == 0
             new_ids, stopped = self._update_request_with_output(req, list(sampled), is_stale)
             if new_ids and grammar_manager is not None and req.use_structured_output and not req.is_finished():
-                error = self._grammar_accept(req, new_ids)
+                error = self._grammar_accept(grammar_manager, req, new_ids)
                 if error is not None:
                     req.stop_reason = error
                     logger.error("request %s: %s", rid, req.stop_reason)
@@ -437,13 +422,14 @@ class Scheduler:
         if draft_token_ids and not req.use_structured_output:
             req.spec_token_ids = list(draft_token_ids[:self.num_spec_tokens])
 
-    def _grammar_accept(self, req: Request, new_ids: list[int]) -> str | None:
+    @staticmethod
+    def _grammar_accept(grammar_manager: StructuredOutputBackend, req: Request, new_ids: list[int]) -> str | None:
         """Advance the request's grammar; why it failed (a rejected token, a matcher error), or None."""
         try:
-            if self.structured_output_manager.accept_tokens(req, new_ids):
+            if grammar_manager.accept_tokens(req, new_ids):
                 return None
             return f"the grammar rejected sampled tokens {new_ids}"
-        except Exception as e:  # noqa: BLE001 - one request's grammar fails that request alone
+        except Exception as e:  # one request's grammar fails that request alone
             return f"the grammar matcher failed: {e!r}"
 
     def _discard_finished_in_flight(self, rid: str, num_tokens: int) -> bool:
@@ -481,7 +467,7 @@ class Scheduler:
         again from the front of waiting (docs/design.md, "Preemption").
         """
         assert request.status == RequestStatus.RUNNING, request
-        self._free_request_blocks(request)
+        self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         # An undrained drop-mode share stays dropped: its positions have been resampled already.
@@ -528,26 +514,8 @@ class Scheduler:
         if request.num_in_flight_tokens > 0:
             left = self.finished_in_flight_tokens.get(rid, 0)  # an earlier holder of the id may still drain
             self.finished_in_flight_tokens[rid] = left + request.num_in_flight_tokens
-        self._free_request_blocks(request)
+        self.kv_cache_manager.free(request)  # at once: see docs/design.md, "Freeing blocks"
         del self.requests[rid]
-
-    def _request_blocks_can_be_freed(self, request: Request) -> bool:
-        return not self.defer_block_free or request.last_sched_seq <= self.processed_step_seq
-
-    def _free_request_blocks(self, request: Request) -> None:
-        if self._request_blocks_can_be_freed(request):
-            self.kv_cache_manager.free(request)
-            return
-        blocks = self.kv_cache_manager.pop_blocks_for_free(request)
-        if blocks:
-            # Fence: the newest scheduled step, which may still write these blocks.
-            self.deferred_frees.append((self.sched_step_seq, blocks))
-
-    def _drain_deferred_frees(self) -> None:
-        deferred = self.deferred_frees
-        while deferred and deferred[0][0] <= self.processed_step_seq:
-            _, blocks = deferred.popleft()
-            self.kv_cache_manager.free_blocks(blocks)
 
     # -- misc ---------------------------------------------------------------------------------------
 

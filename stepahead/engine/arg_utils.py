@@ -37,7 +37,7 @@ CHOICES = {
 }
 
 
-def _arg(default, help: str):  # noqa: A002 - the argparse word
+def _arg(default, help: str):  # the argparse word
     return field(default=default, metadata={"help": help})
 
 
@@ -87,7 +87,6 @@ class EngineArgs:
     model_cache: bool = _arg(True, "keep what loading a GGUF file derives (config, tokenizer, converted weights) "
                                    "in $STEPAHEAD_CACHE (default ~/.cache/stepahead), so later starts read only that")
     debug_invariants: bool = _arg(False, "check scheduler invariants after every step (slow)")
-    defer_block_free: bool = _arg(False, "park freed KV blocks until every in-flight step is processed")
     trace: bool = _arg(False, "record a timeline trace of engine and worker events")
     attention_backend: str = _arg(
         "auto", "'triton': paged-attention kernels that read the block table (CUDA); 'sdpa': torch SDPA over "
@@ -142,10 +141,6 @@ class EngineArgs:
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
 
-    @classmethod
-    def field_help(cls, name: str) -> str:
-        return next(f.metadata.get("help", "") for f in fields(cls) if f.name == name)
-
     def resolve_device(self) -> str:
         if self.device != "auto":
             return self.device
@@ -154,7 +149,7 @@ class EngineArgs:
         return "cuda" if torch.cuda.is_available() else "cpu"
 
     def create_engine_config(self) -> EngineConfig:
-        from stepahead.models.loader import load_model_config
+        from stepahead.models.loading.loader import load_model_config
 
         device = self.resolve_device()
         parallel_config = self.parallel_config()
@@ -176,8 +171,7 @@ class EngineArgs:
             max_model_len=max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
             debug_invariants=self.debug_invariants,
-            num_speculative_tokens=self.resolve_speculative_config().num_speculative_tokens
-            if self.speculative_config is not None else 0,
+            num_speculative_tokens=spec.num_speculative_tokens if (spec := self.resolve_speculative_config()) else 0,
         )
         blocks_per_seq = cdiv(max_model_len, self.block_size)
         # No need for more than every sequence at full length.
@@ -197,7 +191,6 @@ class EngineArgs:
             block_size=self.block_size,
             num_blocks=num_blocks,
             enable_prefix_caching=self.enable_prefix_caching,
-            defer_block_free=self.defer_block_free,
             gpu_memory_utilization=gpu_memory_utilization,
             cache_dtype=cache_dtype,
         )

@@ -23,7 +23,7 @@ import shutil
 import tempfile
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 
 import zmq
@@ -104,7 +104,7 @@ StatsListener = Callable[[IterationStats, EngineStats | None], None]
 
 class AsyncLLM:
     def __init__(self, config: EngineConfig, tokenizer=None, *, trace_path: str | None = None) -> None:
-        from stepahead.models.loader import load_tokenizer
+        from stepahead.models.loading.loader import load_tokenizer
 
         self.config = config
         self.model_config = config.model_config
@@ -213,7 +213,7 @@ class AsyncLLM:
         self._send(AddRequests([EngineRequest.from_request(child) for child in children]))
         return stream
 
-    async def stream_outputs(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
+    async def stream_outputs(self, stream: RequestStream) -> AsyncGenerator[RequestOutput, None]:
         """Yield the stream's RequestOutputs (DELTA) until all its requests finish.
 
         Raises EngineDeadError if the engine dies. Closing or cancelling the iteration early aborts
@@ -234,7 +234,7 @@ class AsyncLLM:
                 self.abort(request_id)
 
     async def generate(self, prompt: PromptType, params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+                       request_id: str) -> AsyncGenerator[RequestOutput, None]:
         stream = self.add_request(request_id, prompt, params)
         async with contextlib.aclosing(self.stream_outputs(stream)) as outputs:
             async for out in outputs:
@@ -285,7 +285,7 @@ class AsyncLLM:
                     return
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # noqa: BLE001 - a bug here must not leave clients hanging
+        except Exception as e:  # a bug here must not leave clients hanging
             logger.exception("The engine output loop failed")
             self._set_dead(f"The engine output loop failed: {e!r}")
 
@@ -339,13 +339,13 @@ class AsyncLLM:
         for listener in self.stats_listeners:
             try:
                 listener(iteration, engine_stats)
-            except Exception:  # noqa: BLE001 - metrics must never break serving
+            except Exception:  # metrics must never break serving
                 logger.exception("A stats listener failed")
 
     # -- failure and shutdown --------------------------------------------------------------------------
 
     def _check_alive(self) -> None:
-        if self.is_dead:
+        if self.dead_reason is not None:  # is_dead
             raise EngineDeadError(self.dead_reason)
         if self._closed:
             raise EngineShutdownError("The engine has been shut down")

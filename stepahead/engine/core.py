@@ -132,7 +132,7 @@ class EngineCore:
                 outputs = self._step_fn() + self.scheduler.take_error_outputs()
             except EngineDeadError:
                 raise
-            except Exception as e:  # noqa: BLE001 - any executor failure kills the engine
+            except Exception as e:  # any executor failure kills the engine
                 raise self._die(e) from e
             for output in outputs:
                 self._generation_tokens += len(output.new_token_ids)
@@ -333,7 +333,7 @@ class EngineCore:
 def make_structured_output_manager(model_config: ModelConfig) -> StructuredOutputManager:
     """Grammars over the model's vocabulary; a complete grammar allows only the model's end tokens.
     The tokenizer loads on the first compile, off the engine's path."""
-    from stepahead.models.loader import load_tokenizer
+    from stepahead.models.loading.loader import load_tokenizer
 
     end_ids = [i for i in (model_config.eos_token_id, *model_config.extra_eos_token_ids) if i is not None]
     return StructuredOutputManager(functools.partial(load_tokenizer, model_config), model_config.vocab_size, end_ids)

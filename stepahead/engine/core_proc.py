@@ -84,7 +84,7 @@ def _serve(config: EngineConfig, ctx: zmq.Context, input_addr: str, outbox: _Out
         except BaseException:
             executor.shutdown()
             raise
-    except BaseException as e:  # noqa: BLE001 - reported to the API process, which exits with it
+    except BaseException as e:  # reported to the API process, which exits with it
         outbox.send(messages.EngineFailed(_describe(e), during_startup=True))
         return EXIT_ENGINE_FAILED
     in_sock = ctx.socket(zmq.PULL)
@@ -102,7 +102,7 @@ def _serve(config: EngineConfig, ctx: zmq.Context, input_addr: str, outbox: _Out
         _busy_loop(core, inbox, outbox, trace_events)
     except SystemExit:
         pass  # SIGTERM: shut down below
-    except BaseException as e:  # noqa: BLE001 - engine death: tell the API process, then exit
+    except BaseException as e:  # engine death: tell the API process, then exit
         # A dead worker (the idle path raises its WorkerError as is) needs no traceback of ours.
         logger.error("EngineCore failed: %s", e if isinstance(e, WorkerError) else _describe(e))
         with contextlib.suppress(zmq.ZMQError):
@@ -180,7 +180,7 @@ def _read_inputs(sock: zmq.Socket, inbox: queue.Queue) -> None:
                 return
             try:
                 inbox.put(codec.decode_input(data))
-            except Exception:  # noqa: BLE001 - a malformed message must not kill the engine
+            except Exception:  # a malformed message must not kill the engine
                 logger.exception("EngineCore dropped an undecodable input message")
     finally:
         sock.close()
@@ -189,7 +189,7 @@ def _read_inputs(sock: zmq.Socket, inbox: queue.Queue) -> None:
 def _shutdown_core(core: EngineCore, trace_path: str | None, trace_events: list[TraceEvent] | None) -> None:
     try:
         core.shutdown()
-    except Exception:  # noqa: BLE001 - best effort on the way out
+    except Exception:  # best effort on the way out
         logger.exception("EngineCore shutdown failed")
     if trace_path and trace_events is not None:
         _write_trace(trace_path, trace_events)
@@ -199,7 +199,7 @@ def _write_trace(path: str, events: list[TraceEvent]) -> None:
     try:
         write_trace(path, [("stepahead serve", events)])
         logger.info("Wrote %d trace events to %s", len(events), path)
-    except Exception:  # noqa: BLE001 - a trace is a diagnostic; never fail the shutdown on it
+    except Exception:  # a trace is a diagnostic; never fail the shutdown on it
         logger.exception("Writing the trace to %s failed", path)
 
 

@@ -10,7 +10,7 @@ import itertools
 import weakref
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 from stepahead.engine.arg_utils import EngineArgs
 from stepahead.engine.input_processor import InputProcessor, PromptType
@@ -31,7 +31,7 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         from stepahead.engine.core import EngineCore
         from stepahead.executor import make_executor
-        from stepahead.models.loader import load_tokenizer
+        from stepahead.models.loading.loader import load_tokenizer
 
         unknown = sorted(set(kwargs) - set(EngineArgs.field_names()))
         if unknown:
@@ -89,9 +89,12 @@ class LLM:
         if not messages:
             raise InvalidInputError("messages must be a non-empty conversation or a list of conversations",
                                     param="messages")
-        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        prompts = [self.apply_chat_template(conversation, add_generation_prompt, chat_template_kwargs)
-                   for conversation in conversations]
+        # One conversation is a list of dicts; a list of conversations, a list of lists.
+        conversations = [cast(Conversation, messages)] if isinstance(messages[0], dict) \
+            else list(cast(Sequence[Conversation], messages))
+        prompts: list[PromptType] = [
+            self.apply_chat_template(conversation, add_generation_prompt, chat_template_kwargs)
+            for conversation in conversations]
         params_list = self._params_list(sampling_params, len(prompts))
         return self._run(prompts, params_list, use_tqdm)
 
@@ -252,10 +255,10 @@ def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTy
     """str, dict or token ids -> one prompt; a list of those -> many. A list of ints is one prompt."""
     if isinstance(prompts, (str, dict)):
         return [prompts]
-    prompts = list(prompts)
-    if prompts and all(isinstance(token_id, int) and not isinstance(token_id, bool) for token_id in prompts):
-        return [prompts]
-    return prompts
+    items = list(prompts)
+    if items and all(isinstance(token_id, int) and not isinstance(token_id, bool) for token_id in items):
+        return [cast(list[int], items)]
+    return cast(list[PromptType], items)
 
 
 class _NoBar:

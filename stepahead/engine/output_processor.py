@@ -204,7 +204,7 @@ class OutputProcessor:
         with "error" and the reason, and the engine is told to stop it."""
         try:
             return self._update_child(child, output)
-        except Exception as e:  # noqa: BLE001 - one request's output fails that request alone
+        except Exception as e:  # one request's output fails that request alone
             logger.error("request %s: processing its output failed: %r", child.engine_id, e)
             child.finish_reason, child.stop_reason = "error", f"processing the output failed: {e!r}"
             return not output.finished
@@ -235,7 +235,7 @@ class OutputProcessor:
     def _check_stop_strings(child: _Completion, old_len: int) -> bool:
         """Finish the child on the earliest stop string in its new text; truncate the text there."""
         best: tuple[int, str] | None = None
-        for stop in child.params.stop:
+        for stop in child.params.stop or ():  # a list since SamplingParams.__post_init__
             pos = child.text.find(stop, max(0, old_len - len(stop) + 1))
             if pos >= 0 and (best is None or pos < best[0]):
                 best = (pos, stop)

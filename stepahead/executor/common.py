@@ -6,10 +6,13 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from stepahead.config import EngineConfig
 from stepahead.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from stepahead.worker.async_output import AsyncModelRunnerOutput
 
 # The calls an executor sends its worker, by name (the mp executor sends the name down its pipe).
 RUNNER_METHODS = ("execute_model", "sample_tokens")
@@ -19,14 +22,12 @@ def default_worker_threads(device: str, passive_wait: bool = False) -> int:
     """Torch threads for the worker: every core when its OpenMP threads wait passively (the mp
     worker, spawned with OMP_WAIT_POLICY=PASSIVE: executor/spawn.py), else every core but one.
 
-    Measured on the 2-core build machine (docs/BENCHMARKS.md sections 7 and 14). On a quiet machine
-    two threads served the built-in model 1.5x faster than one at every concurrency. Under load
-    (another process busy on one core) spinning OpenMP threads made two threads 2-15x slower than
-    one (the parallel region waits for the thread that lost its core); waiting passively, two threads
-    lost only 17% there. Where waiting cannot be made passive (uni: the worker is a thread of the
-    engine process, whose OpenMP runtime started before; or OMP_WAIT_POLICY set to something else by
-    the user) one core is left to the engine: a tiny model took 3.8 ms per step with 1 thread and
-    5.8 ms with 2, and 50x longer under outside load.
+    Why (figures in docs/BENCHMARKS.md, sections 7 and 14.3): on a quiet machine every core serves
+    the model faster than one. Under load (another process busy on a core) spinning OpenMP threads
+    make a parallel region wait for the thread that lost its core, many times slower than one
+    thread; waiting passively, extra threads cost little there. Where waiting cannot be made passive
+    (uni: the worker is a thread of the engine process, whose OpenMP runtime started before; or
+    OMP_WAIT_POLICY set to something else by the user) one core is left to the engine.
     """
     if device != "cpu":
         return 1
@@ -45,7 +46,7 @@ class StepRunner(Protocol):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None: ...
 
-    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput: ...
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput | AsyncModelRunnerOutput: ...
 
 
 class StepTimer:

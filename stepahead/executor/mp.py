@@ -2,9 +2,8 @@
 (one in all without parallelism).
 
 On CPU only a separate process truly overlaps the engine's Python bookkeeping with the forward pass:
-measured on a 2-core machine with 1 torch thread, a worker process hid the bookkeeping almost fully
-(1.27-1.49x the sequential speed at batch 1-16), while a worker thread was often slower than no
-overlap at all (see uni.py).
+a worker process hides the bookkeeping almost fully, while a worker thread fights the engine for the
+GIL (see uni.py).
 
 Calls go down one pipe per rank in order; every rank receives the same message (docs/design.md,
 "Tensor and pipeline parallelism": why every rank gets the message rather than a broadcast inside
@@ -52,7 +51,7 @@ class _Watched:
 
     conns: dict[Connection, int]
     sentinels: dict[int, int]
-    objects: list
+    objects: list[Any]
 
 
 class MultiprocExecutor(SubmittingExecutor):
@@ -68,7 +67,7 @@ class MultiprocExecutor(SubmittingExecutor):
         self.num_threads = config.num_threads or default_worker_threads(config.device,
                                                                         lone and worker_waits_passively())
         spawn = multiprocessing.get_context("spawn")
-        port = None if lone else free_tcp_port()
+        port = 0 if lone else free_tcp_port()  # a lone worker sets up no process group
         self._procs, self._calls, self._results = [], [], []
         worker_ends = []
         for rank in range(self.world_size):
@@ -167,7 +166,7 @@ class MultiprocExecutor(SubmittingExecutor):
         """Wait for news from the watched ranks: one message from each rank whose pipe has one, else
         (rank, "died", None) for each whose process ended. Pipes come first, so what a rank sent
         before dying (its error, its last outputs) is read before its death is noticed."""
-        ready = wait(watched.objects)
+        ready: list[Any] = wait(watched.objects)  # connections and sentinels, mixed
         mail = [(watched.conns[c], *self._recv(watched.conns[c])) for c in ready if c in watched.conns]
         return mail or [(watched.sentinels[s], "died", None) for s in ready]
 

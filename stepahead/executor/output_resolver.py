@@ -37,7 +37,7 @@ class OutputResolver:
             try:
                 if isinstance(item, AsyncModelRunnerOutput):
                     item = item.get_output()
-            except BaseException as e:  # noqa: BLE001 - e.g. a CUDA error surfacing at the event
+            except BaseException as e:  # e.g. a CUDA error surfacing at the event
                 self._fail(e)
                 return
             self._deliver(item)

@@ -20,7 +20,7 @@ from typing import Any
 from stepahead.config import EngineConfig
 from stepahead.core.sched_output import ModelRunnerOutput
 from stepahead.executor.abstract import WorkerError
-from stepahead.executor.common import RankSpec, default_worker_threads
+from stepahead.executor.common import RankSpec, RunnerCalls, default_worker_threads
 from stepahead.executor.submitting import SubmittingExecutor
 
 _STOP = object()
@@ -32,7 +32,7 @@ class RankWorker:
     def __init__(self, config: EngineConfig, num_threads: int) -> None:
         self.config = config
         self.num_threads = num_threads
-        self.calls = None
+        self.calls: RunnerCalls | None = None
 
     def store_address(self) -> tuple[str, int]:
         import ray
@@ -48,12 +48,15 @@ class RankWorker:
     def start(self, rank: RankSpec) -> int | None:
         from stepahead.executor.common import load_runner
 
-        self.calls = load_runner(self.config, self.num_threads, rank)
-        return self.calls.num_kv_blocks
+        self.calls = calls = load_runner(self.config, self.num_threads, rank)
+        return calls.num_kv_blocks
 
     def call(self, method: str, arg: Any) -> ModelRunnerOutput | None:
-        output = self.calls(method, arg)
-        return output if self.calls.reports_outputs else None
+        calls = self.calls
+        if calls is None:
+            raise WorkerError(f"{method} before the rank was started")
+        output = calls(method, arg)
+        return output if calls.reports_outputs else None
 
 
 class RayExecutor(SubmittingExecutor):
@@ -77,7 +80,7 @@ class RayExecutor(SubmittingExecutor):
         self._pg = placement_group([dict(resource) for _ in range(self.world_size)], strategy="PACK")
         ray.get(self._pg.ready())
         actor_cls = ray.remote(RankWorker)
-        self._actors = [
+        self._actors: list[Any] = [  # ray actor handles: their methods are bound at run time
             actor_cls.options(num_cpus=resource.get("CPU", 0), num_gpus=resource.get("GPU", 0),
                               scheduling_strategy=PlacementGroupSchedulingStrategy(
                                   self._pg, placement_group_bundle_index=rank)).remote(config, num_threads)
@@ -125,7 +128,7 @@ class RayExecutor(SubmittingExecutor):
                 return
             try:
                 outputs = self._ray.get(refs)
-            except Exception as e:  # noqa: BLE001 - a rank raised or its actor died
+            except Exception as e:  # a rank raised or its actor died
                 if self._pending.closed:
                     return
                 error = WorkerError(f"a stepahead Ray worker rank failed or died: {e}")
@@ -141,9 +144,9 @@ class RayExecutor(SubmittingExecutor):
         for actor in self._actors:
             try:
                 self._ray.kill(actor)
-            except Exception:  # noqa: BLE001, S110 - already gone
+            except Exception:  # already gone
                 pass
         try:
             remove_placement_group(self._pg)
-        except Exception:  # noqa: BLE001, S110
+        except Exception:
             pass

@@ -1,8 +1,8 @@
 """UniProcExecutor: the ModelRunner in a thread of the engine process.
 
 For debugging and for CUDA, where kernel launches are asynchronous anyway. On CPU a thread overlaps
-little: the forward pass needs the GIL between its ops, and with many small ops a worker thread ran
-at 0.72-0.96x the speed of no overlap at all on a 2-core machine. That is why "mp" is the default there.
+little: the forward pass needs the GIL between its ops, and with many small ops a worker thread can
+run slower than no overlap at all. That is why "mp" is the default there.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class UniProcExecutor(SubmittingExecutor):
         try:
             # The engine thread needs a core of its own while a step runs (see default_worker_threads).
             run_call = load_runner(self.config, self.num_threads)
-        except BaseException as e:  # noqa: BLE001 - surfaced to the constructor's caller
+        except BaseException as e:  # surfaced to the constructor's caller
             ready.set_exception(e)
             return
         self.num_kv_blocks = run_call.num_kv_blocks
@@ -72,7 +72,7 @@ class UniProcExecutor(SubmittingExecutor):
             method, arg = item
             try:
                 output = run_call(method, arg)
-            except BaseException as e:  # noqa: BLE001 - every pending future learns of the failure
+            except BaseException as e:  # every pending future learns of the failure
                 self._fail(method, e)
                 return
             if resolver is not None:

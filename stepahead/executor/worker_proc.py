@@ -8,8 +8,8 @@ never outlives its engine.
 
 Every message wakes the engine process, which on a busy machine with few cores takes CPU from this
 one. So an output nobody waits for yet (execute_model's None, when the step's sample_tokens call is
-already queued) is held back and sent with the step's result: one message per step (docs/BENCHMARKS.md
-section 7: under load, the worker's gap between a step's two calls went from 0.3-0.4 to 0.15 ms). Held outputs
+already queued) is held back and sent with the step's result: one message per step (under load it
+shortens the worker's gap between a step's two calls: docs/BENCHMARKS.md, section 7). Held outputs
 are always sent before the worker blocks for the next call, so the engine never waits on one forever.
 
 With async outputs (CUDA) every result goes through an OutputResolver instead: its thread waits for a
@@ -39,7 +39,7 @@ def worker_main(config: EngineConfig, num_threads: int, calls: Connection, resul
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         run_call = load_runner(config, num_threads, rank)
-    except BaseException:  # noqa: BLE001 - reported to the engine, which raises it to the user
+    except BaseException:  # reported to the engine, which raises it to the user
         results.send(("error", f"loading the model failed:\n{traceback.format_exc()}"))
         raise SystemExit(EXIT_ON_ERROR) from None
     results.send(("ready", run_call.num_kv_blocks))
@@ -67,7 +67,7 @@ def worker_main(config: EngineConfig, num_threads: int, calls: Connection, resul
             return
         try:
             output = run_call(method, arg)
-        except BaseException:  # noqa: BLE001 - the state is unknown after a failure: report and exit
+        except BaseException:  # the state is unknown after a failure: report and exit
             if resolver is not None:
                 resolver.close()  # its thread stops sending before this one does
             results.send(("error", f"{method} raised:\n{traceback.format_exc()}"))

@@ -1,5 +1,5 @@
 """stepahead's CPU kernels (the .cpp files beside this one), compiled into one extension with torch's
-C++ extension builder on first use: about 40 s once per machine, then loaded from torch's cache
+C++ extension builder on first use: once per machine (it takes a while), then loaded from torch's cache
 (~/.cache/torch_extensions, or TORCH_EXTENSIONS_DIR).
 
 They need an x86 CPU with AVX2 (and FMA and F16C, which every AVX2 CPU has) and a C++ compiler; where

@@ -1,6 +1,6 @@
 // The new tokens' K and V into a 16-bit paged cache in one pass (attention/sdpa.py, write_kv): torch's
-// way (convert, check the range, index_copy_, convert back) took six times as long as the float32
-// cache's copy, 8.4 against 1.4 ms per layer for a 2,048-token prefill.
+// way (convert, check the range, index_copy_, convert back) takes several times as long as the
+// float32 cache's copy (docs/BENCHMARKS.md, section 14.4).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

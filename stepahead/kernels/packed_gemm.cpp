@@ -20,8 +20,8 @@
 // instructions per multiply-add.)
 //
 // Where the CPU has AVX-512 VNNI, one vpdpwssd does a pair's vpmaddwd and vpaddd (still on 256-bit
-// vectors): 1.2-1.3x the multiply-adds per cycle on Zen 4, where the adds had competed with the
-// unpacking for the vector pipes. The sums are exact either way, so both paths give the same bits
+// vectors): more multiply-adds per cycle on Zen 4, where the adds had competed with the unpacking for
+// the vector pipes (docs/BENCHMARKS.md, section 14.4). The sums are exact either way, so both paths give the same bits
 // (MaddAdd, Vnni; STEPAHEAD_MAX_CPU_ISA=avx2 keeps the first).
 //
 // A row's result does not depend on its batch: its quantization uses its own values only, the integer
@@ -31,7 +31,7 @@
 // broadcast activation pair by sixteen columns (the last one to three rows two tiles at a time too,
 // so a one-row call keeps enough loads in flight), and a work item is a block of columns whose codes
 // and four rows of activations stay in L1, over a panel of rows whose codes stay in L2 (a 2,048-token
-// prefill read every row's codes from L3 once per 16 columns without panels: 1.14x slower).
+// prefill read every row's codes from L3 once per 16 columns without panels, and was slower).
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -99,7 +99,7 @@ struct MaddAdd {  // any AVX2 CPU: vpmaddwd, then vpaddd
   static __m256i add_products(__m256i sum, __m256i w, __m256i x) {
     sum = _mm256_add_epi32(sum, _mm256_madd_epi16(w, x));
     // Keeps the sum in its register: GCC otherwise reassociates a group's adds into a tree and spills
-    // every product to the stack (four-row tiles 1.3x slower).
+    // every product to the stack (four-row tiles measurably slower).
     asm("" : "+x"(sum));
     return sum;
   }
@@ -132,7 +132,7 @@ bool use_vnni() {
 // codes under 2^24, so the conversion to float is exact too), then go into the float sums as
 // sum * (scale * dx), plus min * dx * sum(qx) for 4-bit codes, group after group (the float16 scales
 // and mins converted to float32 exactly); A adds each pair's products (MaddAdd, Vnni). Not inlined:
-// each shape gets its own register allocation (inlined into multiply, four-row tiles were ~5% slower).
+// each shape gets its own register allocation (inlined into multiply, four-row tiles were slower).
 template <typename F, typename A, int R, int C>
 __attribute__((noinline)) void tile(const QuantizedRows& xq, int64_t row, const PackedWeight& w, const Output& out,
                                     int64_t t) {
@@ -205,7 +205,7 @@ __attribute__((noinline)) void tile(const QuantizedRows& xq, int64_t row, const 
 using TileFn = void (*)(const QuantizedRows&, int64_t, const PackedWeight&, const Output&, int64_t);
 
 // y[:, columns of tiles t .. t + count): four rows by two tiles where there are four rows (by one
-// tile, 1.1x slower, for an odd block's last tile), then the last one to three rows by two tiles
+// tile, a little slower, for an odd block's last tile), then the last one to three rows by two tiles
 // (more loads in flight for a one-row step).
 template <typename F, typename A>
 void block_of(const PackedWeight& w, const QuantizedRows& xq, int64_t M, int64_t t, int64_t count,

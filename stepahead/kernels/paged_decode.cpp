@@ -253,9 +253,8 @@ PagedDecode::PagedDecode(const at::Tensor& q, const at::Tensor& k_cache, const a
 // weighted sums hold 32 outputs of each in registers across the tokens. The loops go block by block
 // (a token's block and place by division cost as much as its scores). A row's blocks lie scattered
 // and each is a page of its own, where the hardware prefetchers stop, so the keys two blocks ahead
-// and the next block's values are asked for. 32 rows of the built-in model's shapes, float16 cache,
-// 2 threads: 330 -> 290 us per layer with 30 layers' caches (cold, as in a step), 205 -> 145 us with
-// one layer's (warm). Each output's sums run in the same order as one head and key at a time, and a
+// and the next block's values are asked for (the gain: docs/BENCHMARKS.md, section 14.4). Each
+// output's sums run in the same order as one head and key at a time, and a
 // row's arithmetic is fixed by the row alone.
 void PagedDecode::run(int64_t task, std::vector<float>& scratch) const {
   switch (cache_type_) {

@@ -1,8 +1,8 @@
 // Team: the threads of one OpenMP parallel region working through a computation phase by phase.
 //
 // With passive OpenMP waiting (the worker's default, see executor/spawn.py) entering a parallel region
-// wakes a sleeping thread: about 25 µs on the build machine, and a one-token decode step entered about
-// 150 regions, a quarter of its time. A Team enters one region for a whole step. A phase's items (a
+// wakes a sleeping thread, tens of microseconds, and a one-token decode step entered about 150
+// regions: a large share of its time. A Team enters one region for a whole step. A phase's items (a
 // projection's column blocks, the attention's tasks, ...) are handed out through a shared counter to
 // whichever member asks first, and a phase starts once every item of the phases before it is complete:
 // there is no barrier that waits for every member, so a member that lost its core to another process

@@ -13,8 +13,8 @@ namespace stepahead_cpu {
 // rows of the built-in model, too many for the caches to keep across 30 layers) and waits on them,
 // while the projections before it compute and leave the memory idle. So during a layer's projections
 // each thread asks for its share of the next attention's cache lines, `step` by `step` between
-// tiles, and the attention finds them in cache: in a 32-row step 215 -> 153 us per layer, the step
-// 66.1 -> 65.2 ms (the projections pay about half of what the attention saves).
+// tiles, and the attention finds them in cache. The projections pay part of what the attention
+// saves; the net gain is in docs/BENCHMARKS.md, section 14.4 ("Warming the next layer's attention").
 class Warmer {
  public:
   // Forgets what was not asked for yet.

@@ -20,7 +20,8 @@ from stepahead.attention.paged_cache import PagedKVCache
 from stepahead.attention.sdpa import AttentionMetadata
 from stepahead.distributed.state import SINGLE, ParallelState
 from stepahead.kernels import cpu_ops
-from stepahead.models.cpu_decode_stack import build_decode_stack
+from stepahead.kernels.cpu_decode_stack import build_decode_stack
+from stepahead.models.loading.weights import as_handle
 from stepahead.models.parallel_layers import (
     ColumnParallelLinear,
     ParallelLinear,
@@ -29,8 +30,7 @@ from stepahead.models.parallel_layers import (
     VocabParallelEmbedding,
     vocab_shard,
 )
-from stepahead.models.prompt_rows import PromptRows
-from stepahead.models.weights import as_handle
+from stepahead.models.quant.prompt_rows import PromptRows
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -273,8 +273,8 @@ class LlamaForCausalLM(nn.Module):
                                           tied=self.embed_tokens if a.tie_word_embeddings else None)
         self.rope_cache: torch.Tensor | None = None  # [max_pos, 2, hd]: cos, sin
         self.cpu_kernels = False  # whether rope, norms, activations, decode attention run stepahead's CPU kernels
-        self.decode_stack = None  # the layers as one C++ call for decode-only steps (models/cpu_decode_stack.py)
-        self.dense_prompt_rows = False  # whether packed projections run prompt rows dense (models/prompt_rows.py)
+        self.decode_stack = None  # the layers as one C++ call for decode-only steps (kernels/cpu_decode_stack.py)
+        self.dense_prompt_rows = False  # whether packed projections run prompt rows dense (models/quant/prompt_rows.py)
 
     def use_cpu_kernels(self) -> None:
         """Run rope, the MLP's activation and the norms (where the norm kernel is torch's arithmetic), and

@@ -2,12 +2,10 @@
 layout (torch's mkldnn linear ops, the ones inductor's CPU freezing uses), instead of MKL's sgemm on
 the plain [out, in] weight.
 
-Measured on the 2-core AVX2 build machine (docs/BENCHMARKS.md §14), the built-in model's 30 layers of
-projections streamed from memory as in a step, 2 threads: 1.5-1.7x faster at 8 rows, 1.3-1.4x at 32,
-1.2x at 64; the tied 49,152-row head 2x at 32 rows; 0.9x at 1,024 rows and more (prefill chunks).
-And a row's result came out bitwise the same however many rows shared the call (1 to 2,048 tried),
-where MKL's sgemm picks its kernel by the row count (one row, two to four, five and more gave three
-different results for the same row).
+Why: it is faster at the row counts of decode steps and the head, slightly slower for long prefill
+chunks (figures in docs/BENCHMARKS.md, section 14.4, "The dense fp32 path"). And a row's result came
+out bitwise the same however many rows shared the call, where MKL's sgemm picks its kernel by the row
+count (one row, two to four, five and more gave three different results for the same row).
 """
 
 from __future__ import annotations

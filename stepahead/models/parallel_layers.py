@@ -17,7 +17,7 @@ from torch import nn
 from stepahead.distributed.comm import tp_all_gather_last_dim, tp_all_reduce
 from stepahead.distributed.state import SINGLE, ParallelState
 from stepahead.models import onednn_linear
-from stepahead.models.prompt_rows import PromptRows
+from stepahead.models.quant.prompt_rows import PromptRows
 from stepahead.utils import cdiv
 
 
@@ -25,7 +25,7 @@ class ParallelLinear(nn.Linear):
     """nn.Linear over this rank's shard (which rows or columns: the model's load_weights decides).
 
     Every projection of the model takes (x, prompt_rows): packed replacements run prompt rows on
-    other weights (models/prompt_rows.py); a dense layer runs every row the same way and ignores it."""
+    other weights (models/quant/prompt_rows.py); a dense layer runs every row the same way and ignores it."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, ps: ParallelState = SINGLE) -> None:
         super().__init__(in_features, out_features, bias=bias)

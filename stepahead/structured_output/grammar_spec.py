@@ -13,6 +13,7 @@ import functools
 import json
 import re
 from dataclasses import dataclass
+from typing import cast
 
 from stepahead.sampling_params import StructuredOutputsParams
 from stepahead.validation import InvalidInputError
@@ -31,18 +32,19 @@ class GrammarSpec:
 
 
 def grammar_spec(params: StructuredOutputsParams) -> GrammarSpec:
+    # params.kind names the one field that is set (and a schema is kept as its text): the casts say so.
     kind = params.kind
     if kind == "json":
-        return GrammarSpec("json", params.json)  # text: StructuredOutputsParams keeps a schema as its text
+        return GrammarSpec("json", cast(str, params.json))
     if kind == "json_object":
         return GrammarSpec("json_object", "")
     if kind == "regex":
-        return GrammarSpec("regex", params.regex)
+        return GrammarSpec("regex", cast(str, params.regex))
     if kind == "choice":
         # JSON string escapes are EBNF string escapes, so any choice text is one literal.
-        literals = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in params.choice)
+        literals = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in cast(list[str], params.choice))
         return GrammarSpec("grammar", f"root ::= {literals}")
-    return GrammarSpec("grammar", params.grammar)
+    return GrammarSpec("grammar", cast(str, params.grammar))
 
 
 def compiler_message(error: Exception) -> str:

@@ -65,7 +65,9 @@ class StructuredOutputManager:
 
     def submit(self, request: Request) -> None:
         """Start compiling the request's grammar (or share an equal spec's compile)."""
-        spec = grammar_spec(request.sampling_params.structured_outputs)
+        params = request.sampling_params.structured_outputs
+        assert params is not None, "submit is for structured requests"
+        spec = grammar_spec(params)
         future = self._cache.get(spec)
         if future is None or (future.done() and future.exception() is not None):
             future = self._pool.submit(self._compiler.compile, spec)
@@ -137,16 +139,16 @@ class StructuredOutputManager:
                 if not matcher.is_terminated():  # a terminated one has finished
                     live.append(i)
                 matchers.append(matcher)
-            except Exception as e:  # noqa: BLE001 - one request's grammar fails that request alone
+            except Exception as e:  # one request's grammar fails that request alone
                 failed[request.request_id] = f"the grammar matcher failed: {e!r}"
                 matchers.append(None)
         try:
             self._fill(bitmask, matchers, live)
-        except Exception:  # noqa: BLE001 - find the matcher at fault, one at a time
+        except Exception:  # find the matcher at fault, one at a time
             for i in live:
                 try:
                     matchers[i].fill_next_token_bitmask(bitmask, i)
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:
                     bitmask[i] = -1
                     failed[requests[i].request_id] = f"the grammar matcher failed: {e!r}"
         return bitmask.numpy(), failed

@@ -106,7 +106,7 @@ class ScriptedWorker:
             state = self.states.get(rid)
             if state is None:
                 raise WorkerStateError(f"step {scheduler_output.step_id} schedules unknown request {rid}")
-            drafts = self._scheduled_drafts(rid, state, spec_tokens.get(rid, ()))
+            drafts = self._scheduled_drafts(rid, state, spec_tokens.get(rid, []))
             known = state.token_ids + drafts
             start = state.num_computed_tokens
             if start + num_scheduled > len(known):
@@ -130,7 +130,8 @@ class ScriptedWorker:
         if self._pending is None:
             raise WorkerStateError("sample_tokens without an executed step")
         rows, self._pending = self._pending, None
-        req_ids, sampled = [], []
+        req_ids: list[str] = []
+        sampled: list[list[int]] = []
         draft_token_ids: dict[str, list[int]] = {}
         for rid, samples, num_drafts in rows:
             state = self.states[rid]
@@ -295,7 +296,7 @@ class ScriptedExecutor(Executor):
                 continue
             try:
                 future.set_result(fn(arg))
-            except BaseException as e:  # noqa: BLE001 - reported through the future
+            except BaseException as e:  # reported through the future
                 self._error = e
                 future.set_exception(e)
 

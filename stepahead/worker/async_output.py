@@ -23,14 +23,15 @@ from stepahead.worker.sampler import SamplerOutput
 
 def copy_to_host(sampled: SamplerOutput) -> SamplerOutput:
     """Start non-blocking copies of every tensor of `sampled` into fresh host memory (pinned on CUDA)."""
-    def to_host(t: torch.Tensor | None) -> torch.Tensor | None:
-        if t is None:
-            return None
+    def copy(t: torch.Tensor) -> torch.Tensor:
         if t.device.type == "cpu":
             return t.clone()
         return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
 
-    return SamplerOutput(to_host(sampled.sampled_token_ids), to_host(sampled.sampled_logprobs),
+    def to_host(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else copy(t)
+
+    return SamplerOutput(copy(sampled.sampled_token_ids), to_host(sampled.sampled_logprobs),
                          to_host(sampled.sampled_ranks), to_host(sampled.top_token_ids),
                          to_host(sampled.top_logprobs))
 

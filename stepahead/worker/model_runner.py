@@ -28,8 +28,8 @@ from stepahead.core.sched_output import GrammarOutput, ModelRunnerOutput, Schedu
 from stepahead.distributed import comm
 from stepahead.distributed.state import SINGLE, ParallelState
 from stepahead.models import onednn_linear
-from stepahead.models.loader import TORCH_DTYPES, load_model
-from stepahead.models.prompt_rows import ALL_PROMPT_ROWS, PromptRows
+from stepahead.models.loading.loader import TORCH_DTYPES, load_model
+from stepahead.models.quant.prompt_rows import ALL_PROMPT_ROWS, PromptRows
 from stepahead.tracing import TraceEvent
 from stepahead.utils import cdiv
 from stepahead.worker import kv_memory
@@ -329,7 +329,7 @@ class ModelRunner:
                           gpu_start)
 
     def _stage_prompt_rows(self, prompt_tokens: list[tuple[int, int]], num_tokens: int) -> _StagedPromptRows | None:
-        """Which rows are prompt tokens, for packed projections that run them dense (models/prompt_rows.py);
+        """Which rows are prompt tokens, for packed projections that run them dense (models/quant/prompt_rows.py);
         None without them or without prompt rows."""
         if not self.model.dense_prompt_rows or not prompt_tokens:
             return None
@@ -473,7 +473,7 @@ class ModelRunner:
                 sampled = sample(logits, metadata)
             else:
                 sampled = SamplerOutput(torch.empty(0, dtype=torch.long, device=self.device))
-        except Exception as e:  # noqa: BLE001 - a row's failure fails its request, not the step
+        except Exception as e:  # a row's failure fails its request, not the step
             apart = sample_rows_apart(logits, rows, e)
             metadata, sampled = None, SamplerOutput(torch.tensor(apart.token_ids, dtype=torch.long, device=self.device))
         self.prev_sampled_token_ids = sampled.sampled_token_ids

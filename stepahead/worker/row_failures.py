@@ -42,7 +42,7 @@ def sample_rows_apart(logits: torch.Tensor, rows: list[RowSampling], batch_error
             token = int(out.sampled_token_ids[0])
             if md.max_num_logprobs is not None:
                 logprobs[i] = logprobs_to_host(out, md, [token])[0]
-        except Exception as e:  # noqa: BLE001 - this row's fault: its request fails alone
+        except Exception as e:  # this row's fault: its request fails alone
             token = 0
             failed[i] = f"sampling failed: {e!r}"
         token_ids.append(token)

@@ -158,6 +158,7 @@ class SamplingMetadata:
         suppress = [(i, t) for i, r in enumerate(rows)
                     if r.num_output_tokens < r.params.min_tokens for t in r.stop_token_ids]
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        num_logprobs = tuple(n for p in params if (n := p.logprobs) is not None)  # lp_rows' counts
         pen = [i for i, p in enumerate(params) if p.uses_penalties]
         rep = [i for i in pen if params[i].repetition_penalty != 1.0]
         allowed = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
@@ -187,7 +188,8 @@ class SamplingMetadata:
             pack.add(name, np.array(values, dtype=dtype))
         if allowed:
             pack.add("allowed_rows", np.array(allowed, dtype=i64))
-            pack.add("allowed_positions", _flat_positions([params[i].allowed_token_ids for i in allowed], vocab_size))
+            pack.add("allowed_positions", _flat_positions([params[i].allowed_token_ids or [] for i in allowed],
+                                                          vocab_size))
         if pen:
             pack.add("penalty_rows", np.array(pen, dtype=i64))
             for name in ("repetition_penalty", "frequency_penalty", "presence_penalty"):
@@ -226,14 +228,14 @@ class SamplingMetadata:
             allowed_rows=tensors.get("allowed_rows"), allowed_mask=allowed_mask,
             bias_rows=tensors["bias_rows"], bias_tokens=tensors["bias_tokens"], bias_values=tensors["bias_values"],
             logprob_rows=tensors["logprob_rows"], logprob_row_ids=tuple(lp_rows),
-            num_logprobs=tuple(params[i].logprobs for i in lp_rows),
+            num_logprobs=num_logprobs,
             all_greedy=not rand,
             any_seeded=any(p.seed is not None for p in rp),
             any_unseeded=any(p.seed is None for p in rp),
             any_min_p=any(p.min_p > 0 for p in rp),
             max_top_k=max((top_k[j] for j in trunc), default=0),
             any_top_p_only=any(top_k[j] == 0 for j in trunc),
-            max_num_logprobs=max((params[i].logprobs for i in lp_rows), default=None),
+            max_num_logprobs=max(num_logprobs, default=None),
             candidate_search=device.type == "cpu" if candidate_search is None else candidate_search,
         )
 

@@ -24,7 +24,7 @@ class StagingBuffer:
         pin = not self.on_cpu and torch.cuda.is_available()
         self._hosts = [torch.zeros(capacity, dtype=torch.int64, pin_memory=pin) for _ in range(num_host)]
         # blocking: a wait sleeps instead of spinning a core
-        self._copied = [torch.cuda.Event(blocking=True) if not self.on_cpu else None for _ in range(num_host)]
+        self._copied = [] if self.on_cpu else [torch.cuda.Event(blocking=True) for _ in range(num_host)]
         self._turn = 0
         self.host = self._hosts[0]
         self.np = self.host.numpy()

@@ -20,7 +20,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from stepahead.attention import triton_aot, triton_paged  # noqa: E402
+from stepahead.attention import triton_aot, triton_paged
 
 REPO = Path(__file__).resolve().parents[2]
 FULL = os.environ.get("STEPAHEAD_AOT_FULL") == "1"

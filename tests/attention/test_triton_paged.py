@@ -16,8 +16,8 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
-from stepahead.attention import sdpa  # noqa: E402
-from stepahead.attention.triton_paged import (  # noqa: E402
+from stepahead.attention import sdpa
+from stepahead.attention.triton_paged import (
     AttentionTiles,
     attention_launches,
     paged_attention,

@@ -156,7 +156,7 @@ def test_pop_blocks_for_free_keeps_references():
     assert [b.block_id for b in blocks] == [2, 1] and mgr.num_free_blocks == free
     assert [b.block_id for b in table] == [1, 2], "the block table itself is left as it was"
     assert "a" not in mgr.req_to_blocks
-    mgr.free_blocks(blocks)
+    mgr.block_pool.free_blocks(blocks)
     assert mgr.num_free_blocks == free + 2
 
 

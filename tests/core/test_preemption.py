@@ -162,53 +162,6 @@ def test_reset_prefix_cache_fails_while_blocks_held():
     assert h.sched.reset_prefix_cache()
 
 
-def test_deferred_free_fence():
-    h = Harness(is_async=True, defer=True)
-    r = h.add("r", [5] * 8, max_tokens=8, eos_at=2)
-    while "r" not in h.finished:
-        h.step()
-    kv = h.sched.kv_cache_manager
-    assert h.sched.deferred_frees and kv.num_free_blocks < kv.num_usable_blocks
-    fence = h.sched.deferred_frees[0][0]
-    assert fence == h.sched.sched_step_seq > h.sched.processed_step_seq
-    assert r.request_id not in kv.req_to_blocks  # bookkeeping cleared immediately
-    h.run()
-    assert not h.sched.deferred_frees and kv.num_free_blocks == kv.num_usable_blocks
-    assert h.sched.processed_step_seq == h.sched.sched_step_seq
-
-
-def test_length_finish_frees_immediately_with_defer():
-    h = Harness(is_async=True, defer=True)
-    h.add("r", [5] * 8, max_tokens=3)
-    while "r" not in h.finished:
-        h.step()
-    assert not h.sched.deferred_frees
-
-
-def test_victim_guard_stops_cascade():
-    """P6: a victim whose blocks would be deferred is not preempted; the retry stops."""
-    h = Harness(is_async=True, defer=True, block_size=4, num_blocks=5)
-    a = h.add("a", [1] * 4, max_tokens=12)
-    b = h.add("b", [2] * 4, max_tokens=12)
-    guarded = False
-    for _ in range(200):
-        if "a" in h.finished and "b" in h.finished:
-            break
-        before = h.sched.num_preemptions
-        if h.sched.has_requests():
-            so = h.schedule()
-            if b.status == RequestStatus.RUNNING and "a" not in so.num_scheduled_tokens \
-                    and a.status == RequestStatus.RUNNING and h.sched.num_preemptions == before \
-                    and b.last_sched_seq > h.sched.processed_step_seq:
-                guarded = True
-            if len(h.in_flight) < h.depth:
-                continue
-        h.process()
-    h.run()
-    assert guarded and h.sched.num_preemptions >= 1
-    assert h.delivered["a"] == h.expected_tokens("a", 12) and h.delivered["b"] == h.expected_tokens("b", 12)
-
-
 def test_liveness_admits_when_running_is_empty():
     """Running empty, waiting non-empty, pool free -> the next schedule admits someone."""
     h = _tight(True, 2)

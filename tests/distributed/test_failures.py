@@ -27,7 +27,7 @@ def test_killed_rank_fails_requests_and_stops_the_others(tiny_llama, victim):
         next(stream)
         os.kill(pids[victim], signal.SIGKILL)
         t0 = time.monotonic()
-        with pytest.raises(Exception, match=rf"worker rank {victim} \(pid \d+\) died unexpectedly"):  # noqa: B017
+        with pytest.raises(Exception, match=rf"worker rank {victim} \(pid \d+\) died unexpectedly"):
             for _ in stream:
                 pass
         assert time.monotonic() - t0 < 10

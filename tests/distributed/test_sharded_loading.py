@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from stepahead.distributed.state import ParallelState
-from stepahead.models.loader import load_model, load_model_config
+from stepahead.models.loading.loader import load_model, load_model_config
 from stepahead.models.parallel_layers import ParallelLinear
 from tests.models.gguf_writer import write_gguf
 

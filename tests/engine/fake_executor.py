@@ -60,7 +60,7 @@ def make_model_config(max_model_len: int) -> ModelConfig:
 
 def make_engine(*, async_scheduling: bool = True, depth: int | None = None, block_size: int = 4,
                 num_blocks: int = 128, budget: int = 64, max_num_seqs: int = 16, max_model_len: int = 256,
-                caching: bool = True, defer: bool = False, trace: bool = False, eos_at: dict | None = None,
+                caching: bool = True, trace: bool = False, eos_at: dict | None = None,
                 num_spec_tokens: int = 0, **executor_kw) -> tuple[EngineCore, FakeExecutor]:
     config = EngineConfig(
         model_config=make_model_config(max_model_len),
@@ -68,7 +68,7 @@ def make_engine(*, async_scheduling: bool = True, depth: int | None = None, bloc
                                          max_model_len=max_model_len, debug_invariants=True,
                                          num_speculative_tokens=num_spec_tokens),
         cache_config=CacheConfig(block_size=block_size, num_blocks=num_blocks,
-                                 enable_prefix_caching=caching, defer_block_free=defer),
+                                 enable_prefix_caching=caching),
         async_scheduling=async_scheduling,
         max_concurrent_batches=depth if depth is not None else (2 if async_scheduling else 1),
         executor="uni", device="cpu", trace=trace,

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from stepahead import LLM, SamplingParams
-from stepahead.models.loader import load_model_config, load_tokenizer
+from stepahead.models.loading.loader import load_model_config, load_tokenizer
 from tests.entrypoints.openai.server_utils import RemoteServer
 
 REPO_ID = "tiny-org/tiny-llama"

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from stepahead.models.loader import load_model, load_model_config, load_tokenizer
+from stepahead.models.loading.loader import load_model, load_model_config, load_tokenizer
 from stepahead.sampling_params import SamplingParams
 from stepahead.worker.model_runner import ModelRunner
 from tests.models.gguf_writer import write_gguf

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from stepahead.models import gguf_loader, model_cache
-from stepahead.models.loader import load_model, load_model_config
+from stepahead.models.loading import gguf_loader, model_cache
+from stepahead.models.loading.loader import load_model, load_model_config
 from stepahead.worker.model_runner import ModelRunner
 from tests.models.gguf_writer import write_gguf
 from tests.tiny_models import hf_greedy
@@ -79,7 +79,7 @@ def test_a_damaged_entry_is_rebuilt_with_a_warning(gguf_file, damage, caplog):
         weights.write_bytes(bytes(data))
     else:
         (entry / "manifest.json").unlink()
-    with caplog.at_level(logging.WARNING, logger="stepahead.models.model_cache"):
+    with caplog.at_level(logging.WARNING, logger="stepahead.models.loading.model_cache"):
         rebuilt = load_model_config(str(gguf_file), "cpu")
     assert "damaged" in caplog.text and "rebuilding" in caplog.text
     assert model_cache.entry_problem(Path(rebuilt.converted)) is None
@@ -95,7 +95,7 @@ def test_a_changed_source_gets_a_new_entry(gguf_file, tiny_model_factory):
 
 
 def test_two_processes_converting_at_once_both_succeed(gguf_file):
-    script = ("import sys; from stepahead.models.loader import load_model_config; "
+    script = ("import sys; from stepahead.models.loading.loader import load_model_config; "
               "print(load_model_config(sys.argv[1], 'cpu').converted)")
     procs = [subprocess.Popen([sys.executable, "-c", script, str(gguf_file)], cwd=REPO, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(2)]

@@ -8,7 +8,7 @@ import torch
 
 from stepahead.bench.full_forward import sequence_logits
 from stepahead.models import onednn_linear
-from stepahead.models.loader import load_model, load_model_config
+from stepahead.models.loading.loader import load_model, load_model_config
 from stepahead.models.parallel_layers import ParallelLinear
 
 pytestmark = pytest.mark.skipif(not onednn_linear.available("cpu", torch.float32), reason="torch built without oneDNN")

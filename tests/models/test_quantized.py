@@ -9,11 +9,11 @@ import torch
 
 from stepahead.bench.full_forward import sequence_logits
 from stepahead.kernels import cpu_build, cpu_packed
-from stepahead.models import prompt_rows, quantized_loader
-from stepahead.models.loader import load_model, load_model_config
-from stepahead.models.prompt_rows import ALL_PROMPT_ROWS, PromptRows, dense_rows, rows_are_invariant
-from stepahead.models.quant_weights import decode_gguf_blocks, quantize_int4, quantize_int8_rows
-from stepahead.models.quantized_linear import Int4Linear, Int8Linear
+from stepahead.models.loading.loader import load_model, load_model_config
+from stepahead.models.quant import prompt_rows, quantized_loader
+from stepahead.models.quant.prompt_rows import ALL_PROMPT_ROWS, PromptRows, dense_rows, rows_are_invariant
+from stepahead.models.quant.quant_weights import decode_gguf_blocks, quantize_int4, quantize_int8_rows
+from stepahead.models.quant.quantized_linear import Int4Linear, Int8Linear
 from tests.models.gguf_writer import write_gguf
 
 # bf16 activations against float32 ones: relative error of the output, over a K=64..576 dot product.
@@ -59,7 +59,7 @@ def test_int8_linear_equals_its_dequantized_weight():
     assert _rel_err(layer(x), x @ codes.dequantize().t()) < LINEAR_RTOL
     # Q8_0's group scales (float16 in the file) run on stepahead's kernel, or are requantized to one
     # scale per row for torch's: either way close to the block values.
-    from stepahead.models.quant_weights import GroupQuantWeight
+    from stepahead.models.quant.quant_weights import GroupQuantWeight
     q = torch.randint(-127, 128, (96, 128), dtype=torch.int8)
     grouped = GroupQuantWeight(q, (torch.rand(96, 4) * 0.01).half().float(), None, 32, 8)
     assert _rel_err(Int8Linear(grouped).dequantized_weight(), grouped.dequantize()) < 1e-2
@@ -143,7 +143,7 @@ def test_more_than_one_rank_loads_dense_weights(quantized_gguf):
 
 
 def test_builtin_model_packed_agrees_with_fp32():
-    from stepahead.models.loader import load_tokenizer
+    from stepahead.models.loading.loader import load_tokenizer
 
     packed_cfg = load_model_config(None, "cpu", quantization="auto")
     dense_cfg = load_model_config(None, "cpu", dtype="float32", quantization="none")
@@ -178,7 +178,7 @@ def test_a_row_is_computed_the_same_in_any_batch(bits):
 
 @pytest.mark.parametrize("vocab", [512, 4096])  # 4 and 32 chunks of 128: topk over all, and best chunks first
 def test_rescored_head_gives_the_dense_heads_best_logits_row_by_row(vocab):
-    from stepahead.models.packed_head import RESCORED_LOGITS, RescoredHead
+    from stepahead.models.quant.packed_head import RESCORED_LOGITS, RescoredHead
 
     torch.manual_seed(0)
     codes = quantize_int8_rows(torch.randn(vocab, 64))
@@ -198,7 +198,7 @@ def test_rescored_head_gives_the_dense_heads_best_logits_row_by_row(vocab):
 
 @pytest.mark.parametrize("vocab", [128 * 48, 1000])
 def test_best_indices_are_each_rows_k_largest(vocab):
-    from stepahead.models.packed_head import CHUNK, best_indices
+    from stepahead.models.quant.packed_head import CHUNK, best_indices
 
     torch.manual_seed(0)
     logits = torch.randn(6, vocab)

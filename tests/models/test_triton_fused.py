@@ -14,11 +14,11 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are decorated
 pytest.importorskip("triton")
 
-from stepahead.models import triton_fused  # noqa: E402
-from stepahead.models.llama import apply_rope  # noqa: E402
-from stepahead.worker.model_runner import ModelRunner  # noqa: E402
-from tests.tiny_models import hf_greedy  # noqa: E402
-from tests.worker.driver import MiniSched, make_config  # noqa: E402
+from stepahead.models import triton_fused
+from stepahead.models.llama import apply_rope
+from stepahead.worker.model_runner import ModelRunner
+from tests.tiny_models import hf_greedy
+from tests.worker.driver import MiniSched, make_config
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}

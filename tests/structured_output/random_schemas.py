@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import string
 
 WORDS = ["red", "green", "blue", "cat", "dog", "paris", "rome", "tea", "yes", "no", "alpha", "beta"]
 
@@ -62,7 +61,3 @@ def random_regex(rng: random.Random) -> str:
 
 def random_choice(rng: random.Random) -> list[str]:
     return rng.sample(WORDS + ["New York", "a \"quoted\" word", "naïve", "42"], rng.randint(2, 5))
-
-
-def random_word(rng: random.Random) -> str:
-    return "".join(rng.choices(string.ascii_lowercase, k=5))

@@ -9,7 +9,7 @@ import pytest
 
 from stepahead.config import CacheConfig, SchedulerConfig
 from stepahead.core.scheduler import Scheduler
-from stepahead.models.loader import load_model_config, load_tokenizer
+from stepahead.models.loading.loader import load_model_config, load_tokenizer
 from stepahead.request import Request, RequestStatus
 from stepahead.sampling_params import SamplingParams
 from stepahead.sampling_params import StructuredOutputsParams as Constraint

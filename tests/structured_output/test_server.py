@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from stepahead import SamplingParams
-from stepahead.models.loader import builtin_model_path
+from stepahead.models.loading.loader import builtin_model_path
 from stepahead.sampling_params import StructuredOutputsParams
 from tests.entrypoints.openai.server_utils import RemoteServer
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from stepahead.core.sched_output import SchedulerOutput
-from stepahead.models.loader import load_model_config
+from stepahead.models.loading.loader import load_model_config
 from stepahead.sampling_params import SamplingParams
 from stepahead.worker.model_runner import ModelRunner
 from tests.worker.driver import MiniSched, make_config

@@ -36,7 +36,8 @@ E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 
 def _token_buckets(max_model_len: int) -> list[float]:
     """1-2-5 buckets up to the context length."""
-    buckets, scale = [], 1
+    buckets: list[float] = []
+    scale = 1
     while True:
         for mantissa in (1, 2, 5):
             if mantissa * scale > max_model_len:

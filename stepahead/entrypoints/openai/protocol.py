@@ -16,8 +16,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-_INT64 = dict(ge=-(2**63), le=2**63 - 1)
-_COUNT = dict(ge=0, le=2**31 - 1)  # token counts and the like: anything larger is a mistake
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_MAX_COUNT = 2**31 - 1  # token counts and the like: anything larger is a mistake
 TokenId = Annotated[StrictInt, Field(ge=-(2**31), le=2**31 - 1)]  # true/false are not token ids; the vocabulary check names bad ones
 LogitBias = Annotated[float, Field(ge=-100.0, le=100.0)]  # OpenAI's range
 
@@ -53,17 +53,17 @@ class SamplingFields(OpenAIRequest):
     """Fields shared by completions and chat completions (OpenAI's plus vLLM's sampling extras)."""
 
     model: str | None = None
-    n: StrictInt = Field(default=1, **_COUNT)
-    best_of: StrictInt | None = Field(default=None, **_COUNT)
+    n: StrictInt = Field(default=1, ge=0, le=_MAX_COUNT)
+    best_of: StrictInt | None = Field(default=None, ge=0, le=_MAX_COUNT)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: StrictInt | None = Field(default=None, ge=-1, le=2**31 - 1)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    seed: StrictInt | None = Field(default=None, **_INT64)
+    seed: StrictInt | None = Field(default=None, ge=_INT64_MIN, le=_INT64_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
-    min_tokens: StrictInt = Field(default=0, **_COUNT)
+    min_tokens: StrictInt = Field(default=0, ge=0, le=_MAX_COUNT)
     presence_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
@@ -90,9 +90,9 @@ class SamplingFields(OpenAIRequest):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
-    max_tokens: StrictInt | None = Field(default=16, **_COUNT)
+    max_tokens: StrictInt | None = Field(default=16, ge=0, le=_MAX_COUNT)
     echo: bool = False
-    logprobs: StrictInt | None = Field(default=None, **_COUNT)
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=_MAX_COUNT)
     suffix: str | None = None
     add_special_tokens: bool = True
 
@@ -123,10 +123,10 @@ class ChatMessage(OpenAIRequest):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: StrictInt | None = Field(default=None, **_COUNT)  # deprecated alias of max_completion_tokens
-    max_completion_tokens: StrictInt | None = Field(default=None, **_COUNT)
+    max_tokens: StrictInt | None = Field(default=None, ge=0, le=_MAX_COUNT)  # deprecated alias of max_completion_tokens
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=0, le=_MAX_COUNT)
     logprobs: bool = False
-    top_logprobs: StrictInt | None = Field(default=None, **_COUNT)
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=_MAX_COUNT)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False  # the chat template already adds what the model needs

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -181,7 +181,7 @@ class OpenAIServing:
         return logprobs
 
     async def _deltas(self, stream: RequestStream,
-                      prompt_tokens: dict[str, int]) -> AsyncIterator[tuple[RequestOutput, CompletionOutput]]:
+                      prompt_tokens: dict[str, int]) -> AsyncGenerator[tuple[RequestOutput, CompletionOutput], None]:
         """Every choice delta of the stream; records each prompt's length; a failed choice raises."""
         async with contextlib.aclosing(self.engine.stream_outputs(stream)) as outputs:
             async for request_output in outputs:
@@ -206,7 +206,7 @@ class OpenAIServing:
         resp = self.response(ctx, sorted(choices.items()), _usage(prompt_tokens, choices))
         return JSONResponse(resp.model_dump(mode="json"))
 
-    async def _stream(self, ctx: ResponseContext, stream: RequestStream) -> AsyncIterator[str]:
+    async def _stream(self, ctx: ResponseContext, stream: RequestStream) -> AsyncGenerator[str, None]:
         choices: dict[int, Choice] = {}
         prompt_tokens: dict[str, int] = {}
         try:
@@ -232,7 +232,7 @@ class OpenAIServing:
             stream_options = ctx.req.stream_options
             if stream_options is not None and stream_options.include_usage:
                 yield ctx.chunk([], _usage(prompt_tokens, choices))
-        except Exception as e:  # noqa: BLE001 - after the 200 header an error can only be an event
+        except Exception as e:  # after the 200 header an error can only be an event
             yield sse_error(e)
         yield SSE_DONE
 

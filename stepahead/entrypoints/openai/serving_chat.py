@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -18,6 +19,7 @@ from stepahead.entrypoints.openai.protocol import (
     ChatMessage,
     ChatResponseMessage,
     ChatTokenLogprob,
+    ChatToolCall,
     TopLogprob,
     UsageInfo,
     random_id,
@@ -29,7 +31,7 @@ from stepahead.entrypoints.openai.serving_base import Choice, OpenAIServing, Res
 from stepahead.entrypoints.openai.serving_utils import clamp, encode_ids, sampling_params_of, token_text
 from stepahead.entrypoints.openai.template_sandbox import TemplateSandbox
 from stepahead.entrypoints.openai.token_bytes import TokenBytes
-from stepahead.entrypoints.openai.tool_calling.parsers.base import ToolStream, collect
+from stepahead.entrypoints.openai.tool_calling.parsers.base import ToolCall, ToolStream, collect
 from stepahead.entrypoints.openai.tool_calling.streams import finish_reason, tool_stream
 from stepahead.entrypoints.openai.tool_calling.tools import ToolPlan, plan_tools
 from stepahead.outputs import LOGPROB_FLOOR, Logprob
@@ -70,7 +72,7 @@ def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: b
         raise APIError(f"chat_template_kwargs may not set {reserved}: the server sets them", 400, "chat_template_kwargs")
     conversation = []
     for index, message in enumerate(messages):
-        entry = {"role": message.role, "content": _flatten_content(message, index)}
+        entry: dict[str, Any] = {"role": message.role, "content": _flatten_content(message, index)}
         if message.name is not None:
             entry["name"] = message.name
         if message.tool_calls:
@@ -92,7 +94,7 @@ def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: b
         return tokenizer.apply_chat_template(conversation, tokenize=False, **kwargs)
     except APIError:
         raise
-    except Exception as e:  # noqa: BLE001 - jinja2 errors and ValueErrors are the request's fault
+    except Exception as e:  # jinja2 errors and ValueErrors are the request's fault
         raise APIError(f"The chat template could not render these messages: {e}", 400, "messages") from e
 
 
@@ -144,7 +146,7 @@ def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], top_n
     for token_id, entry in zip(token_ids, entries, strict=False):
         sampled = entry.get(token_id)
         token = token_text(token_id, sampled, decode, as_ids)
-        top = []
+        top: list[TopLogprob] = []
         for other_id, other in sorted(entry.items(), key=lambda kv: kv[1].rank):
             if other.rank <= top_n and len(top) < top_n:
                 text = token_text(other_id, other, decode, as_ids)
@@ -305,7 +307,9 @@ class OpenAIServingChat(OpenAIServing):
         )
 
     def _choice(self, ctx: _ChatContext, index: int, choice: _ChatChoice) -> ChatChoice:
-        reasoning, content, calls = None, choice.text, []
+        reasoning: str | None = None
+        content: str | None = choice.text
+        calls: list[ToolCall] = []
         if ctx.reasoning_parser is not None:
             reasoning, content = split_reasoning(REASONING_PARSERS[ctx.reasoning_parser](), content)
         stream = tool_stream(ctx.tool_plan, self.tool_parser)
@@ -315,7 +319,7 @@ class OpenAIServingChat(OpenAIServing):
             content = ctx.echo + (content or "")
         return ChatChoice(index=index,
                           message=ChatResponseMessage(content=content, reasoning_content=reasoning,
-                                                      tool_calls=[c.to_openai() for c in calls]),
+                                                      tool_calls=[ChatToolCall.model_validate(c.to_openai()) for c in calls]),
                           logprobs=ChatLogprobs(content=choice.logprobs) if ctx.req.logprobs else None,
                           finish_reason=finish_reason(ctx.tool_plan, bool(calls), choice.finish_reason),
                           stop_reason=choice.stop_reason)

@@ -8,7 +8,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from fastapi import Request
 from starlette.responses import StreamingResponse
@@ -92,7 +92,7 @@ def structured_outputs_of(req: SamplingFields) -> StructuredOutputsParams | None
     if len(asked) > 1:
         raise APIError(f"Only one of response_format, structured_outputs and guided_* may be set, got {asked}",
                        400, "structured_outputs")
-    if asked == ["response_format"]:
+    if asked == ["response_format"] and response_format is not None:
         if response_format.type == "json_object":
             return StructuredOutputsParams(json_object=True)
         schema = (response_format.json_schema or {}).get("schema")
@@ -140,7 +140,8 @@ def sampling_params_of(req: SamplingFields, max_tokens: int | None, logprobs: in
         repetition_penalty=pick(req.repetition_penalty, "repetition_penalty", 1.0),
         skip_special_tokens=req.skip_special_tokens,
         structured_outputs=structured_outputs_of(req),
-        logit_bias=req.logit_bias,  # keys checked and made ints here, ids against the vocabulary by the engine
+        # SamplingParams makes the keys ints (refusing any that is not); the engine checks the ids.
+        logit_bias=cast(dict[int, float] | None, req.logit_bias),
         allowed_token_ids=req.allowed_token_ids,
     )
 

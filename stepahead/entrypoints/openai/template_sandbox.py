@@ -10,6 +10,7 @@ starts a fresh one (loading the tokenizer there takes a second or two, once).
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.pool
 import threading
 from typing import Any
 
@@ -19,12 +20,12 @@ from stepahead.entrypoints.openai.errors import APIError
 TIME_LIMIT_S = 2.0
 MAX_OUTPUT_CHARS = 1 << 20
 
-_tokenizer = None  # the child's
+_tokenizer: Any = None  # the child's
 
 
 def _load(model_config: ModelConfig) -> None:
     global _tokenizer
-    from stepahead.models.loader import load_tokenizer
+    from stepahead.models.loading.loader import load_tokenizer
 
     _tokenizer = load_tokenizer(model_config)
 
@@ -36,7 +37,7 @@ def _ready() -> bool:
 def _render(conversation: list[dict], template: str, kwargs: dict[str, Any], max_chars: int) -> str | Exception:
     try:
         text = _tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False, **kwargs)
-    except Exception as e:  # noqa: BLE001 - the template's error goes back as the 400's message
+    except Exception as e:  # the template's error goes back as the 400's message
         return ValueError(f"the chat template could not render these messages: {e}")
     if len(text) > max_chars:
         return ValueError(f"the chat template rendered {len(text)} characters, more than {max_chars}")
@@ -50,7 +51,7 @@ class TemplateSandbox:
         self._time_limit_s = time_limit_s
         self._max_chars = max_chars
         self._lock = threading.Lock()  # one render at a time: the child has one worker
-        self._pool = None
+        self._pool: multiprocessing.pool.Pool | None = None
 
     def render(self, conversation: list[dict], template: str, kwargs: dict[str, Any]) -> str:
         """Blocking (call it through Offload); a 400 when the template fails, runs too long or renders too much."""

@@ -25,11 +25,6 @@ def client(server):
 
 
 @pytest.fixture(scope="session")
-def async_client(server):
-    return openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="session")
 def http(server):
     with httpx.Client(base_url=server.url, timeout=120) as c:
         yield c

@@ -17,7 +17,6 @@ from tests.test_grammar_bounds import nested_arrays, nested_objects
 
 COMPLETION = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 16, "ignore_eos": True}
 NESTED_LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}"
-CONTEXT = 512  # the tiny model's
 # (endpoint, body, expected status, param) sent by a hostile client.
 HOSTILE = [
     ("/v1/completions", {**COMPLETION, "prompt": "a" * (10 << 20)}, 400, "prompt"),  # 10 MiB: refused untokenized
@@ -174,7 +173,7 @@ def test_logprob_bytes_are_each_tokens_raw_bytes(http):
 
 def test_token_bytes_of_the_builtin_tokenizer():
     from stepahead.entrypoints.openai.token_bytes import TokenBytes
-    from stepahead.models.loader import load_model_config, load_tokenizer
+    from stepahead.models.loading.loader import load_model_config, load_tokenizer
 
     tokenizer = load_tokenizer(load_model_config(None, "cpu"))
     raw = TokenBytes(tokenizer)

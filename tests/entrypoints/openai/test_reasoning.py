@@ -9,7 +9,7 @@ import json
 import openai
 import pytest
 
-from stepahead.models.loader import builtin_model_path
+from stepahead.models.loading.loader import builtin_model_path
 from tests.entrypoints.openai.server_utils import RemoteServer
 
 ASK = [{"role": "user", "content": "Hi!"}]

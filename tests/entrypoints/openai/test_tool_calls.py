@@ -12,7 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from stepahead.models.loader import builtin_model_path
+from stepahead.models.loading.loader import builtin_model_path
 from tests.entrypoints.openai.server_utils import RemoteServer
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},

@@ -15,7 +15,9 @@ def tool_stream(plan: ToolPlan | None, parser: str | None) -> ToolStream | None:
     if plan.mode == "required":
         return RequiredToolStream()
     if plan.mode == "named":
+        assert plan.named is not None  # a named plan names its function
         return NamedToolStream(plan.named)
+    assert parser is not None  # "auto" is refused unless the server has a tool-call parser
     return TOOL_PARSERS[parser]()
 
 

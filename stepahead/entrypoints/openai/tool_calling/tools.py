@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
@@ -88,7 +88,7 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, 
     if tool_choice == "auto" and not auto_enabled:
         raise APIError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
                        400, "tool_choice")
-    return ToolPlan(tool_choice, functions, parallel=parallel)
+    return ToolPlan(cast(Mode, tool_choice), functions, parallel=parallel)  # one of the modes, checked above
 
 
 def _function(index: int, tool: dict[str, Any]) -> Function:

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from stepahead.models.weights import WeightHandle
+from stepahead.models.loading.weights import WeightHandle
 
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}

@@ -1,6 +1,6 @@
 """PromptRows: which rows of a step's flattened batch hold prompt tokens, and the dense GEMM they run.
 
-With packed weights on torch's weight-only kernels (models/quantized_linear.py; stepahead's own CPU
+With packed weights on torch's weight-only kernels (models/quant/quantized_linear.py; stepahead's own CPU
 kernels run every row, being faster than fp32 GEMM at any row count) prompt tokens run on the dense
 weights and generated tokens on the packed kernels. What decides a token's path is the token itself
 (is it part of its request's prompt?), never the batch it shares, so a request's tokens stay the
@@ -36,7 +36,7 @@ from stepahead.kernels import cpu_build, cpu_ops
 ROW_TILE = 16
 # Row counts rows_are_invariant compares (steps of more rows are assumed to behave like 512).
 CHECKED_ROW_COUNTS = (16, 48, 128, 512)
-# The activation dtype of the packed kernels (models/quantized_linear.py takes it from here) and of dense_rows.
+# The activation dtype of the packed kernels (models/quant/quantized_linear.py takes it from here) and of dense_rows.
 ACTIVATION_ROUNDING = torch.bfloat16
 
 

@@ -17,6 +17,7 @@ concatenation) work on the codes directly.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
@@ -48,7 +49,7 @@ class GroupQuantWeight:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.q.shape)
+        return cast(tuple[int, int], tuple(self.q.shape))  # 2-D, checked above
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight the codes stand for."""
@@ -71,7 +72,7 @@ def cat_rows(parts: list[GroupQuantWeight]) -> GroupQuantWeight:
         if (p.bits, p.group_size, p.mins is None) != (first.bits, first.group_size, first.mins is None):
             raise ValueError("cannot fuse weights quantized differently "
                              f"({first.bits}-bit/{first.group_size} and {p.bits}-bit/{p.group_size})")
-    mins = None if first.mins is None else torch.cat([p.mins for p in parts])
+    mins = None if first.mins is None else torch.cat([cast(torch.Tensor, p.mins) for p in parts])  # all have mins (checked)
     return GroupQuantWeight(torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts]), mins,
                             first.group_size, first.bits)
 

@@ -12,16 +12,16 @@
   8-bit kernel of the same kind (packed_gemm.cpp); otherwise (and for --quantization int8, one scale
   per row) `torch._weight_int8pack_mm` on bfloat16 activations, Q8_0 requantized per row.
 
-torch's kernels take bfloat16 activations: their fp32 variants are 5-30x slower (docs/BENCHMARKS.md
-section 14), and the rounding is far below the weights' own quantization error. Every kernel rounds
+torch's kernels take bfloat16 activations: their fp32 variants are many times slower (docs/BENCHMARKS.md
+section 14.4), and the rounding is far below the weights' own quantization error. Every kernel rounds
 its outputs to bfloat16 values. Inputs and outputs keep the model's dtype. A step of few tokens reads
 0.56-0.63 (int4) or 1 (int8) byte per weight instead of 4: such steps are bound by reading the weights.
 
 A module on torch's kernels also keeps its dequantized weight (`dense`, the same values in the
-model's dtype) for prompt tokens (models/prompt_rows.py), unless this machine's BLAS fails the
+model's dtype) for prompt tokens (models/quant/prompt_rows.py), unless this machine's BLAS fails the
 row-invariance check at load: prefill steps of many tokens are bound by arithmetic, where torch's
 fp32 GEMM is several times faster than torch's weight-only kernels (stepahead's own kernel is faster
-than both and runs every row; models/quantized_loader.py). Generated tokens always run the packed
+than both and runs every row; models/quant/quantized_loader.py). Generated tokens always run the packed
 kernel, which computes each row on its own (a row's output is bitwise the same alone or among 512
 rows, tested), so a token's path and result depend on the token, not on the batch it shares.
 """
@@ -32,8 +32,8 @@ import torch
 from torch import nn
 
 from stepahead.kernels import cpu_packed
-from stepahead.models.prompt_rows import ACTIVATION_ROUNDING, PromptRows, dense_rows
-from stepahead.models.quant_weights import GroupQuantWeight, to_int8_rows
+from stepahead.models.quant.prompt_rows import ACTIVATION_ROUNDING, PromptRows, dense_rows
+from stepahead.models.quant.quant_weights import GroupQuantWeight, to_int8_rows
 
 KERNEL_DTYPE = ACTIVATION_ROUNDING  # the dense path of prompt rows rounds activations the same way
 

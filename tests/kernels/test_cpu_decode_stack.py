@@ -1,4 +1,4 @@
-"""DecodeStack (models/cpu_decode_stack.py): a packed model's decode-only step in one C++ call is
+"""DecodeStack (kernels/cpu_decode_stack.py): a packed model's decode-only step in one C++ call is
 bitwise the step its Python layers compute, KV writes included; other steps and models keep the layers."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from stepahead.attention.paged_cache import PagedKVCache
 from stepahead.attention.rows import BatchRow
 from stepahead.attention.sdpa import SdpaBackend
 from stepahead.kernels import cpu_build
-from stepahead.models.loader import load_model, load_model_config
+from stepahead.models.loading.loader import load_model, load_model_config
 from stepahead.worker.staging import StagingBuffer
 
 pytestmark = pytest.mark.skipif(not cpu_build.machine_can_build(), reason="needs an AVX2 CPU and a C++ compiler")

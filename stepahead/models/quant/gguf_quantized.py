@@ -1,4 +1,4 @@
-"""A GGUF file's Q4_0 / Q4_1 / Q8_0 tensors as codes (models/quant_weights.py), for `--quantization gguf`,
+"""A GGUF file's Q4_0 / Q4_1 / Q8_0 tensors as codes (models/quant/quant_weights.py), for `--quantization gguf`,
 and the model-cache file that keeps them (QUANT_FILE, written beside the converted dense weights)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from stepahead.models import gguf_loader
-from stepahead.models.quant_weights import GGUF_QUANT_TYPES, GroupQuantWeight, decode_gguf_blocks
+from stepahead.models.loading import gguf_loader
+from stepahead.models.quant.quant_weights import GGUF_QUANT_TYPES, GroupQuantWeight, decode_gguf_blocks
 
 QUANT_FILE = "quantized_weights.st"  # in a model-cache entry; not *.safetensors, which dense loads read
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from stepahead.kernels import cpu_build, cpu_ops
-from stepahead.models.quantized_linear import Int4Linear
+from stepahead.models.quant.quantized_linear import Int4Linear
 
 
 def build_decode_stack(model):

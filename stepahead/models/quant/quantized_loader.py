@@ -1,7 +1,7 @@
 """`--quantization`: which linear layers of a built model run on packed weights, and where the codes come from.
 
 - "gguf": the GGUF file's Q4_0 / Q4_1 / Q8_0 tensors stay quantized (their codes come from
-  models/gguf_quantized.py); other tensors stay dense.
+  models/quant/gguf_quantized.py); other tensors stay dense.
 - "int4" / "int8": any checkpoint's projections quantized at load (int4: groups of 32 with scale and
   offset; int8: one scale per row).
 - "none": every weight dense in the model's dtype (the reference path).
@@ -11,17 +11,17 @@ The swap runs after the dense model is built and loaded, and finds the projectio
 called qkv_proj, o_proj, gate_up_proj or down_proj holding a 2-D `.weight` [out, in]), so it works for
 any linear class that keeps that weight. A fused projection is quantized only when every part of it
 is. In "gguf" mode the output head is packed too when the file holds it quantized, as a
-RescoredHead (models/packed_head.py: the packed kernel ranks the vocabulary, the best candidates get
+RescoredHead (models/quant/packed_head.py: the packed kernel ranks the vocabulary, the best candidates get
 exact fp32 logits); "int4"/"int8" keep the head dense, as vLLM's weight-only methods do. The
 embedding stays dense in the model's dtype (a lookup reads a few rows).
 
 A packed projection on torch's kernels (no AVX2 build, or groups other than GGUF's 32) also keeps
 its dense weight (the same values) for prompt tokens, which are prefilled many at a time where fp32
-GEMM is several times faster than torch's weight-only kernels (models/prompt_rows.py), unless this
+GEMM is several times faster than torch's weight-only kernels (models/quant/prompt_rows.py), unless this
 machine's BLAS computes a row differently depending on the rest of the call (checked at load per
 weight shape). stepahead's own kernels run prompt tokens too: they are faster than fp32 GEMM at
-every row count measured (1.1-2.6x, from 1024 down to 16 rows on the build machine), and the dense
-copy would cost 4 bytes per weight.
+every row count measured (docs/BENCHMARKS.md, section 14.4), and the dense copy would cost 4 bytes
+per weight.
 """
 
 from __future__ import annotations
@@ -32,16 +32,16 @@ import torch
 from torch import nn
 
 from stepahead.config import QUANTIZATION_CHOICES
-from stepahead.models.packed_head import RescoredHead
-from stepahead.models.prompt_rows import rows_are_invariant
-from stepahead.models.quant_weights import (
+from stepahead.models.quant.packed_head import RescoredHead
+from stepahead.models.quant.prompt_rows import rows_are_invariant
+from stepahead.models.quant.quant_weights import (
     GGUF_QUANT_TYPES,
     GroupQuantWeight,
     cat_rows,
     quantize_int4,
     quantize_int8_rows,
 )
-from stepahead.models.quantized_linear import quantized_linear
+from stepahead.models.quant.quantized_linear import quantized_linear
 
 logger = logging.getLogger(__name__)
 

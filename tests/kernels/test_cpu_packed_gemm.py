@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from stepahead.kernels import cpu_build, cpu_packed
-from stepahead.models.quant_weights import GroupQuantWeight, quantize_int4, quantize_int8_rows
-from stepahead.models.quantized_linear import Int4Linear, Int8Linear
+from stepahead.models.quant.quant_weights import GroupQuantWeight, quantize_int4, quantize_int8_rows
+from stepahead.models.quant.quantized_linear import Int4Linear, Int8Linear
 
 # Where the machine can build the kernel it must build: a failed build fails these tests, not skips them.
 pytestmark = pytest.mark.skipif(not cpu_build.machine_can_build(), reason="needs an AVX2 CPU and a C++ compiler")

