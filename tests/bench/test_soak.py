@@ -14,8 +14,8 @@ REPO = Path(__file__).resolve().parents[2]
 def test_a_short_soak_passes(tiny_llama, tmp_path):
     result_path = tmp_path / "soak.json"
     # Memory is not judged in a run this short (the KV pool's pages are still being touched).
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "soak.py"), str(tiny_llama), "--duration", "8",
-                           "--clients", "6", "--num-kv-blocks", "0", "--max-rss-growth", "10",
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "soak.py"), str(tiny_llama), "--duration", "5",
+                           "--clients", "4", "--num-kv-blocks", "0", "--max-rss-growth", "10",
                            "--json", str(result_path)], cwd=REPO, capture_output=True, text=True, timeout=600)
     result = json.loads(result_path.read_text())
     assert proc.returncode == 0 and result["passed"], proc.stdout + proc.stderr

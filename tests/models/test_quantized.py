@@ -242,11 +242,13 @@ def test_dense_rows_round_in_place_as_torchs_conversions_would(monkeypatch):
 
 @pytest.mark.parametrize("shape", [(960, 576), (3072, 576), (576, 1536), (64, 128)])
 def test_dense_rows_compute_a_row_the_same_in_any_padded_call(shape):
-    """The load-time check passes on this machine's BLAS, and what it promises holds: a prompt row's
-    dense output does not depend on how many rows share its call or where it sits."""
+    """Where the load-time check passes on this machine's BLAS, what it promises holds: a prompt row's
+    dense output does not depend on how many rows share its call or where it sits. (Where it fails,
+    prompt rows of that shape stay packed.)"""
     torch.manual_seed(0)
     weight, bias = torch.randn(*shape) * 0.05, torch.randn(shape[0])
-    assert rows_are_invariant(weight)
+    if not rows_are_invariant(weight):
+        pytest.skip(f"this machine's BLAS computes rows of a {shape} weight differently by call size")
     x = torch.randn(300, shape[1])
     everything = dense_rows(x, weight, bias)
     for start, n in ((0, 1), (5, 3), (17, 11), (40, 64), (100, 200)):

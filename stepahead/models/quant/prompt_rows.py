@@ -34,8 +34,9 @@ import torch.nn.functional as F
 from stepahead.kernels import cpu_build, cpu_ops
 
 ROW_TILE = 16
-# Row counts rows_are_invariant compares (steps of more rows are assumed to behave like 512).
-CHECKED_ROW_COUNTS = (16, 48, 128, 512)
+# Row counts rows_are_invariant compares (steps of more rows are assumed to behave like 512). BLAS
+# libraries pick their blocking by the row count in ranges, so the check samples each range.
+CHECKED_ROW_COUNTS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 # The activation dtype of the packed kernels (models/quant/quantized_linear.py takes it from here) and of dense_rows.
 ACTIVATION_ROUNDING = torch.bfloat16
 
@@ -76,11 +77,11 @@ def dense_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 
 def rows_are_invariant(weight: torch.Tensor) -> bool:
     """Whether dense_rows computes a row bitwise the same at any position of a call of any size
-    (CHECKED_ROW_COUNTS rows, starting at the first row or a later one). The bias is added outside the
-    GEMM, row by row, so it cannot change the answer."""
+    (CHECKED_ROW_COUNTS rows, starting at the first row or a later one) as in a call of one tile. The
+    bias is added outside the GEMM, row by row, so it cannot change the answer."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(max(CHECKED_ROW_COUNTS) + ROW_TILE, weight.shape[1], generator=gen).to(weight.dtype)
-    reference = dense_rows(x, weight, None)
+    reference = torch.cat([dense_rows(x[i:i + ROW_TILE], weight, None) for i in range(0, x.shape[0], ROW_TILE)])
     for n in CHECKED_ROW_COUNTS:
         for start in (0, 7):
             if not torch.equal(dense_rows(x[start:start + n], weight, None), reference[start:start + n]):
