@@ -68,12 +68,7 @@ class CallScanner:
     def _scan(self, ch: str, deltas: list[dict]) -> None:
         call_depth = self.base + 1
         if self._in_string:
-            if self._escaped:
-                self._escaped = False
-            elif ch == "\\":
-                self._escaped = True
-            elif ch == '"':
-                self._in_string = False
+            if self._string_ends(ch):
                 self._close_string(deltas)
                 return
             self._string.append(ch)
@@ -99,6 +94,17 @@ class CallScanner:
                 self._expect_key = True
             elif ch == ":":
                 self._expect_key = False
+
+    def _string_ends(self, ch: str) -> bool:
+        """Step over one character inside a JSON string; True on the quote that closes it."""
+        if self._escaped:
+            self._escaped = False
+        elif ch == "\\":
+            self._escaped = True
+        elif ch == '"':
+            self._in_string = False
+            return True
+        return False
 
     def _close_string(self, deltas: list[dict]) -> None:
         reading, self._reading = self._reading, None
@@ -126,12 +132,7 @@ class CallScanner:
 
     def _scan_args(self, ch: str) -> None:
         if self._in_string:
-            if self._escaped:
-                self._escaped = False
-            elif ch == "\\":
-                self._escaped = True
-            elif ch == '"':
-                self._in_string = False
+            self._string_ends(ch)
             return
         if ch == '"':
             self._in_string = True
