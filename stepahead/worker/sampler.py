@@ -298,8 +298,8 @@ def _select(t: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor | None:
 def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
     """logits [num_rows, vocab] float32 -> sampled ids and logprob tensors, on the device. Nothing is
     read back to the host unless md.candidate_search. The logits are modified in place only by masks
-    (allowed_token_ids' and min_tokens' -inf), which a second call would set again: sampling the same logits twice (a row
-    alone, after its batch failed) gives the same ids for greedy and seeded rows."""
+    (allowed_token_ids' and min_tokens' -inf), which a second call would set again: sampling the same
+    logits twice (a row alone, after its batch failed) gives the same ids for greedy and seeded rows."""
     if md.allowed_mask is not None:
         _apply_allowed(logits, md)
     if md.any_min_tokens:

@@ -201,14 +201,12 @@ class _Server(uvicorn.Server):
             # DRAIN_GRACE_S later, time for each cut request to send its 503.
             self._loop.call_later(self._shutdown_timeout, self._abort_in_flight)
         else:
-            logger.info("Shutting down: aborting %d in-flight request(s)", in_flight)
             self._abort_in_flight()
 
     def _abort_in_flight(self) -> None:
         # An APIError, not a RuntimeError: each cut request answers a clean 503 (an error event if
         # streamed) instead of a 500 with a traceback in the log.
-        if self._engine.num_in_flight:
-            logger.info("Shutting down: cutting %d request(s) still in flight", self._engine.num_in_flight)
+        logger.info("Shutting down: aborting %d in-flight request(s)", self._engine.num_in_flight)
         self._engine.abort_all(APIError("The server is shutting down", 503))
 
 

@@ -28,6 +28,7 @@ from stepahead.entrypoints.openai.serving_utils import (
     ServedModel,
     SSEResponse,
     check_finish,
+    grammar_param,
     reject_unsupported,
     sse,
     sse_error,
@@ -71,13 +72,6 @@ class ResponseContext:
         return sse(out)
 
 
-def _grammar_param(req: SamplingFields) -> str:
-    """The field a client set its grammar with: OpenAI's response_format, or vLLM's structured_outputs."""
-    if req.response_format is not None and req.response_format.type != "text":
-        return "response_format"
-    return "structured_outputs"
-
-
 class OpenAIServing:
     EMPTY_BODY: dict = {}  # a streamed choice's text fields when it has no text (logprobs waiting on a character)
 
@@ -106,9 +100,9 @@ class OpenAIServing:
                                    limit)
         except asyncio.TimeoutError:
             raise APIError(f"structured_outputs: the grammar took longer than {limit:g} s to parse (the limit)",
-                           400, _grammar_param(req)) from None
+                           400, grammar_param(req)) from None
         except InvalidInputError as e:
-            e.param = _grammar_param(req) if e.param == "structured_outputs" else e.param
+            e.param = grammar_param(req) if e.param == "structured_outputs" else e.param
             raise
 
     def add_request(self, req: SamplingFields, request_id: str, prompt: PromptType, params: SamplingParams,
@@ -117,7 +111,7 @@ class OpenAIServing:
         try:
             return self.engine.add_request(request_id, prompt, params, stream)
         except InvalidInputError as e:
-            e.param = _grammar_param(req) if e.param == "structured_outputs" else e.param
+            e.param = grammar_param(req) if e.param == "structured_outputs" else e.param
             raise
 
     async def respond(self, ctx: ResponseContext, stream: RequestStream, raw_request: Request) -> Response:

@@ -79,6 +79,13 @@ def reject_unsupported(req: SamplingFields) -> None:
         raise APIError("Stream options can only be defined when `stream=True`.", 400, "stream_options")
 
 
+def grammar_param(req: SamplingFields) -> str:
+    """The field a client set its grammar with: OpenAI's response_format, or vLLM's structured_outputs."""
+    if req.response_format is not None and req.response_format.type != "text":
+        return "response_format"
+    return "structured_outputs"
+
+
 def structured_outputs_of(req: SamplingFields) -> StructuredOutputsParams | None:
     """The grammar constraint of response_format, structured_outputs or the guided_* fields (whether
     the engine takes it is the input processor's check, shared with the offline LLM)."""
@@ -101,7 +108,7 @@ def structured_outputs_of(req: SamplingFields) -> StructuredOutputsParams | None
         try:
             return StructuredOutputsParams(json=schema)
         except InvalidInputError as e:
-            e.param = "response_format"  # the client asked through OpenAI's field
+            e.param = grammar_param(req)  # the client asked through OpenAI's field
             raise
     if guided:
         return StructuredOutputsParams(**guided)
