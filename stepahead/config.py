@@ -47,6 +47,9 @@ class ModelConfig:
     # "none": dense weights in dtype; "gguf": the GGUF file's Q4_0/Q4_1/Q8_0 tensors kept packed;
     # "int4"/"int8": projections quantized at load (CPU; models/quant/quantized_loader.py). Never "auto".
     quantization: str = "none"
+    # Each layer's attention window in tokens (None: the layer attends to the whole context); empty
+    # when no layer has one. A token attends to itself and the window - 1 tokens before it.
+    sliding_windows: tuple[int | None, ...] = ()
 
     def kv_bytes_per_token(self, cache_dtype: str | None = None) -> int:
         """K and V of one token in every layer, held in cache_dtype (default: the model's dtype)."""

@@ -143,6 +143,7 @@ def load_model_config(model: str | None, device: str, *, dtype: str = "auto", ma
         extra_eos_token_ids=tuple(eos_ids[1:]),
         chat_template=_read_chat_template(chat_template),
         quantization=quantization,
+        sliding_windows=(window,) * margs.num_layers if window is not None else (),
     )
 
 
