@@ -1,8 +1,11 @@
 """The paged KV block pool: free queue, ref counts and the prefix-cache hash map.
 
-Block 0 is the null block: taken out of the free queue at init and never handed out or freed.
-A block whose ref count drops to 0 goes to the tail of the free queue but keeps its hash, so it can
-still be hit; it is evicted lazily, when it reaches the head and is popped for reuse.
+Block 0 is the null block: taken out of the free queue at init and never handed out or freed; a
+sliding-window block table holds it (possibly many times) where blocks fell out of the window.
+A block whose ref count drops to 0 keeps its hash, so it can still be hit, and goes to the tail of
+the free queue; it is evicted lazily, when it reaches the head and is popped for reuse. A freed
+block without a hash can never be hit, so it goes to the head instead and is reused first: cached
+prefixes then survive longer under memory pressure (vLLM's current rule).
 """
 
 from __future__ import annotations
@@ -51,6 +54,17 @@ class FreeBlockQueue:
         nxt.prev_free = prev
         block.prev_free = block.next_free = None
         self.num_free_blocks -= 1
+
+    def prepend_all(self, blocks: list[KVCacheBlock]) -> None:
+        """Put blocks at the head, in the given order (the first is popped first)."""
+        for block in reversed(blocks):
+            first = self.head.next_free
+            assert first is not None
+            block.prev_free = self.head
+            block.next_free = first
+            first.prev_free = block
+            self.head.next_free = block
+            self.num_free_blocks += 1
 
     def append(self, block: KVCacheBlock) -> None:
         last = self.tail.prev_free
@@ -127,23 +141,40 @@ class BlockPool:
             entry[block.block_id] = block
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Take a reference; a free (ref 0) block leaves the middle of the free queue."""
+        """Take a reference; a free (ref 0) block leaves the middle of the free queue. The null block
+        (a sliding-window hit's skipped blocks) is not counted."""
         queue = self.free_block_queue
+        null_block = self.null_block
         for block in blocks:
-            if block.ref_cnt == 0 and block is not self.null_block:
+            if block is null_block:
+                continue
+            if block.ref_cnt == 0:
                 queue.remove(block)
             block.ref_cnt += 1
 
     def free_blocks(self, ordered: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference each, in the given order; blocks reaching 0 go to the tail."""
-        queue = self.free_block_queue
+        """Drop one reference per listing, most evictable first. Of the blocks reaching 0, those
+        without a hash go to the head in that order, hashed ones to the tail in that order. The null
+        block is skipped however often it is listed; a shared block listed twice loses two references."""
+        null_block = self.null_block
+        released: list[KVCacheBlock] = []
         for block in ordered:
-            if block is self.null_block:
+            if block is null_block:
                 continue
             block.ref_cnt -= 1
             assert block.ref_cnt >= 0, block
             if block.ref_cnt == 0:
-                queue.append(block)
+                released.append(block)
+        if not released:
+            return
+        queue = self.free_block_queue
+        unhashed = [b for b in released if b.block_hash is None]
+        if unhashed:
+            queue.prepend_all(unhashed)
+        if len(unhashed) < len(released):
+            for block in released:
+                if block.block_hash is not None:
+                    queue.append(block)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every hash; only possible when no request holds a block."""

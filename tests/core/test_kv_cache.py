@@ -37,10 +37,12 @@ def test_pool_null_block_and_free_queue():
     assert [b.block_id for b in got] == [1, 2] and all(b.ref_cnt == 1 for b in got)
     pool.touch([pool.blocks[4]])  # O(1) removal from the middle
     assert pool.free_block_queue.ids() == [3, 5]
+    pool.register(got[1], block_hash=7)
     pool.free_blocks([pool.blocks[4], got[1], got[0]])
-    assert pool.free_block_queue.ids() == [3, 5, 4, 2, 1]
-    pool.free_blocks([pool.null_block])  # never freed
-    assert pool.get_num_free_blocks() == 5
+    # Unhashed blocks to the head (reused first), hashed ones to the tail, each in the given order.
+    assert pool.free_block_queue.ids() == [4, 1, 3, 5, 2]
+    pool.free_blocks([pool.null_block, pool.null_block])  # never freed, however often listed
+    assert pool.get_num_free_blocks() == 5 and pool.null_block.ref_cnt == 0
     with pytest.raises(ValueError):
         pool.get_new_blocks(6)
 
@@ -202,3 +204,20 @@ def test_prefix_cached_equals_uncached():
         if caching:
             assert h.sched.kv_cache_manager.prefix_cache_hits > 0
     assert outs[True] == outs[False]
+
+
+def test_three_block_pool_keeps_the_longer_cached_prefix():
+    """Unhashed freed blocks are reused first, so a cached 8-token prefix survives a short request."""
+    mgr = KVCacheManager(CacheConfig(block_size=4, num_blocks=4), max_model_len=64)  # 3 usable blocks
+    a = _req("a", list(range(100, 108)))  # blocks 1, 2: both full and cached
+    assert mgr.allocate_slots(a, 8) is not None
+    a.num_computed_tokens = 8
+    mgr.free(a)  # queue: 3, 2, 1
+    c = _req("c", [7, 8, 9])  # takes block 3, which never fills: no hash
+    assert mgr.allocate_slots(c, 3) is not None and mgr.get_block_ids("c") == [3]
+    mgr.free(c)  # old rule: to the tail (2, 1, 3); now to the head (3, 2, 1)
+    assert mgr.block_pool.free_block_queue.ids() == [3, 2, 1]
+    d = _req("d", [40, 41, 42])
+    assert mgr.allocate_slots(d, 3) is not None and mgr.get_block_ids("d") == [3]
+    _, num_hit = mgr.get_computed_blocks(_req("a2", list(range(100, 108)) + [1]))
+    assert num_hit == 8  # appending every freed block to the tail would have evicted block 2: 4
