@@ -51,6 +51,16 @@ class ModelConfig:
     # when no layer has one. A token attends to itself and the window - 1 tokens before it.
     sliding_windows: tuple[int | None, ...] = ()
 
+    @property
+    def kv_sliding_window(self) -> int | None:
+        """The window the KV cache manager returns blocks out of (core/sliding_window.py): set only
+        when every layer has a window, since one block table serves every layer, and then the
+        largest, since a block may go only when no layer reads it."""
+        windows = self.sliding_windows
+        if not windows or any(w is None for w in windows):
+            return None
+        return max(w for w in windows if w is not None)
+
     def kv_bytes_per_token(self, cache_dtype: str | None = None) -> int:
         """K and V of one token in every layer, held in cache_dtype (default: the model's dtype)."""
         itemsize = 4 if (cache_dtype or self.dtype) == "float32" else 2
@@ -139,9 +149,14 @@ class CacheConfig:
     # What the KV cache holds (resolved from --kv-cache-dtype): "float32" | "bfloat16" | "float16";
     # None: the model's dtype.
     cache_dtype: str | None = None
+    # Every layer's attention window reaches at most this many tokens back (ModelConfig.kv_sliding_window):
+    # blocks wholly before it are returned to the pool. None: some layer attends to the whole context.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         check_field(self.block_size >= 1, "block_size", self.block_size, "must be >= 1")
+        check_field(self.sliding_window is None or self.sliding_window >= 1, "sliding_window", self.sliding_window,
+                    "must be >= 1 or None")
         check_field(self.num_blocks >= 2, "num_blocks", self.num_blocks, "must be >= 2 (block 0 is reserved)")
 
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 from collections import Counter, deque
 from typing import Protocol
 
+from stepahead.core.block_pool import KVCacheBlock
 from stepahead.core.kv_cache import KVCacheManager
 from stepahead.core.sched_output import SchedulerOutput
+from stepahead.core.sliding_window import num_skipped_blocks
 from stepahead.request import Request, RequestStatus
 
 
@@ -143,9 +145,13 @@ def _check_drafts(sched: SchedulerState, req: Request, in_flight_drafts: int | N
 
 
 def check_kv(sched: SchedulerState) -> None:
-    """I10 (block accounting, free-queue integrity) and I5 (only real-token blocks are hashed)."""
+    """I10 (block accounting, free-queue integrity; the null block is never counted, hashed or free),
+    I5 (only real-token blocks are hashed) and I6 (only blocks out of the processed window are nulled)."""
     kv = sched.kv_cache_manager
     pool = kv.block_pool
+    null_block = pool.null_block
+    if null_block.ref_cnt != 0 or null_block.block_hash is not None:
+        _fail("I10", f"the null block was counted or hashed: {null_block}")
     holders: Counter[int] = Counter()
     for rid, blocks in kv.req_to_blocks.items():
         if rid not in sched.requests:
@@ -169,6 +175,8 @@ def check_kv(sched: SchedulerState) -> None:
             if block.block_id != block_id or block.block_hash != block_hash:
                 _fail("I5", f"hash map entry {block_hash}:{block_id} -> {block}")
     for rid, blocks in kv.req_to_blocks.items():
+        _check_window_nulls(kv, sched.requests[rid], blocks)
+    for rid, blocks in kv.req_to_blocks.items():
         req = sched.requests[rid]
         num_full_blocks = req.num_tokens // kv.block_size
         for index, block in enumerate(blocks):
@@ -176,3 +184,24 @@ def check_kv(sched: SchedulerState) -> None:
                 continue
             if index >= num_full_blocks or index >= len(req.block_hashes) or req.block_hashes[index] != block.block_hash:
                 _fail("I5", f"block {index} of {rid} is hashed but not a full block of real tokens")
+
+
+def _check_window_nulls(kv: KVCacheManager, req: Request, blocks: list[KVCacheBlock]) -> None:
+    """I6: the null block only as a prefix of a table, and only where no step can still read or write:
+    wholly before the window of the next position to process. A stale share in flight writes the
+    blocks the request held before its preemption, not these."""
+    num_nulls = 0
+    while num_nulls < len(blocks) and blocks[num_nulls] is kv.block_pool.null_block:
+        num_nulls += 1
+    if any(b is kv.block_pool.null_block for b in blocks[num_nulls:]):
+        _fail("I6", f"null block after a real one in {req.request_id}'s table {[b.block_id for b in blocks]}")
+    if not num_nulls:
+        return
+    if kv.sliding_window is None:
+        _fail("I6", f"null blocks in {req.request_id}'s table without a sliding window")
+        return
+    num_processed = req.num_computed_tokens - (req.num_in_flight_tokens - req.num_stale_output_tokens)
+    bound = num_skipped_blocks(num_processed, kv.sliding_window, kv.block_size)
+    if num_nulls > bound:
+        _fail("I6", f"{num_nulls} blocks nulled, but only {bound} lie before the window of position "
+                    f"{num_processed}: {req}")

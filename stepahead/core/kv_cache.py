@@ -2,8 +2,11 @@
 
 A prefix lookup is capped at num_tokens - 1 (one token is always recomputed so logits exist), hit
 blocks are touched before new blocks are popped (a request never evicts its own hits), an
-allocation that does not fit returns None and changes nothing, and a request's blocks are freed in
-reverse order so its tail is evicted first.
+allocation that does not fit returns None and changes nothing (but for the out-of-window blocks it
+returns first), and a request's blocks are freed in reverse order so its tail is evicted first.
+With a sliding window on every layer (CacheConfig.sliding_window), blocks that fall out of the
+window go back to the pool as the request advances and prefix hits need only the window
+(core/sliding_window.py).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from collections.abc import Sequence
 
 from stepahead.config import CacheConfig
 from stepahead.core.block_pool import BlockPool, KVCacheBlock
+from stepahead.core.sliding_window import find_window_cache_hit, num_skipped_blocks
 from stepahead.request import Request
 from stepahead.utils import cdiv
 
@@ -61,19 +65,23 @@ class KVCacheManager:
     Guarantees: an allocation either fits entirely or changes nothing (returns None); only full
     blocks of real tokens are hashed into the prefix cache, because callers pass a token count that
     excludes placeholders (docs/design.md, "The cacheable frontier"); a freed request's blocks go
-    back tail first, so the blocks least likely to be shared are evicted first.
+    back tail first, so the blocks least likely to be shared are evicted first. With a sliding
+    window, a block table holds the null block where blocks fell out of the window, always as a
+    prefix of the table (docs/design.md, "Sliding-window blocks").
     """
 
     def __init__(self, cache_config: CacheConfig, max_model_len: int) -> None:
         self.block_size = cache_config.block_size
         self.enable_caching = cache_config.enable_prefix_caching
         self.max_model_len = max_model_len
+        self.sliding_window = cache_config.sliding_window
         self.block_pool = BlockPool(cache_config.num_blocks, self.enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_block: dict[str, int] = {}  # full blocks already registered, per request
         # Prefix-cache statistics, in tokens, counted once per admission.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.num_window_freed_blocks = 0  # blocks returned as they fell out of the sliding window
 
     # -- pool views ----------------------------------------------------------------------------
 
@@ -99,13 +107,19 @@ class KVCacheManager:
     # -- prefix cache --------------------------------------------------------------------------
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """Longest cached prefix of the request, in whole blocks, capped at num_tokens - 1 tokens."""
+        """Longest cached prefix of the request, in whole blocks, capped at num_tokens - 1 tokens. With a
+        sliding window only the blocks in the window before the hit point must be cached; the list
+        holds the null block for the earlier ones."""
         if not self.enable_caching:
             return [], 0
         hashes = update_block_hashes(request, self.block_size)
         max_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[KVCacheBlock] = []
         get = self.block_pool.get_cached_block
+        if self.sliding_window is not None:
+            window_hits = find_window_cache_hit(hashes, max_blocks, self.sliding_window, self.block_size, get,
+                                                self.block_pool.null_block)
+            return window_hits, len(window_hits) * self.block_size
+        hits: list[KVCacheBlock] = []
         for i in range(min(max_blocks, len(hashes))):
             block = get(hashes[i])
             if block is None:
@@ -131,9 +145,11 @@ class KVCacheManager:
         blocks = self.req_to_blocks[rid]
         num_full = min(num_full, len(hashes), len(blocks))
         register = self.block_pool.register
+        null_block = self.block_pool.null_block
         for i in range(num_cached, num_full):
             block = blocks[i]
-            if block.block_hash is None:  # hit blocks are registered already
+            # Hit blocks are registered already; a block out of the window is gone from the table.
+            if block.block_hash is None and block is not null_block:
                 register(block, hashes[i])
         self.num_cached_block[rid] = max(num_cached, num_full)
 
@@ -151,12 +167,16 @@ class KVCacheManager:
     ) -> Sequence[KVCacheBlock] | None:
         """Make room for num_new_tokens more tokens; returns the newly popped blocks, or None.
 
-        None means the pool is short, and then nothing has changed. Hit blocks
-        (new_computed_blocks) are touched before new blocks are popped.
+        None means the pool is short, and then nothing has changed but the out-of-window blocks
+        returned first (sliding window). Hit blocks (new_computed_blocks) are touched before new
+        blocks are popped.
         """
         rid = request.request_id
         hits = new_computed_blocks or ()
         total_computed = min(request.num_computed_tokens + num_new_computed_tokens, self.max_model_len)
+        if self.sliding_window is not None:
+            # Before counting free blocks: what falls out of the window may serve this allocation.
+            self.remove_skipped_blocks(request, total_computed - request.num_in_flight_tokens)
         need_slots = min(total_computed + num_new_tokens, self.max_model_len)
         held = self.req_to_blocks.get(rid)
         num_held = len(held) if held is not None else 0
@@ -166,7 +186,8 @@ class KVCacheManager:
                 self.cache_blocks(request, min(total_computed + num_new_tokens, request.num_tokens))
             return _NO_BLOCKS
         # Free hit blocks leave the free pool when touched, so they count against it too.
-        num_evictable_hits = sum(1 for b in hits if b.ref_cnt == 0)
+        null_block = self.block_pool.null_block
+        num_evictable_hits = sum(1 for b in hits if b.ref_cnt == 0 and b is not null_block)
         if num_new_blocks + num_evictable_hits > self.block_pool.get_num_free_blocks():
             return None
         if held is None:
@@ -185,6 +206,26 @@ class KVCacheManager:
         return new_blocks
 
     # -- freeing -------------------------------------------------------------------------------
+
+    def remove_skipped_blocks(self, request: Request, num_processed_tokens: int) -> None:
+        """Return the blocks wholly before the window of the request's next token to process; the null
+        block takes their place. Tail first, as any free; the nulls stay a prefix of the table."""
+        assert self.sliding_window is not None
+        blocks = self.req_to_blocks.get(request.request_id)
+        if not blocks:
+            return
+        num_skipped = min(num_skipped_blocks(num_processed_tokens, self.sliding_window, self.block_size),
+                          len(blocks))
+        null_block = self.block_pool.null_block
+        removed: list[KVCacheBlock] = []
+        for i in range(num_skipped - 1, -1, -1):
+            if blocks[i] is null_block:
+                break  # an earlier call (or the prefix hit) nulled everything before it
+            removed.append(blocks[i])
+            blocks[i] = null_block
+        if removed:
+            self.block_pool.free_blocks(removed)
+            self.num_window_freed_blocks += len(removed)
 
     def free(self, request: Request) -> None:
         """Return the request's blocks, tail first, so its last blocks are evicted first."""

@@ -193,6 +193,7 @@ class EngineArgs:
             enable_prefix_caching=self.enable_prefix_caching,
             gpu_memory_utilization=gpu_memory_utilization,
             cache_dtype=cache_dtype,
+            sliding_window=model_config.kv_sliding_window,
         )
         # Every executor and feature stepahead has supports async scheduling (a step holding a grammar
         # defers its sampling instead), so unset means on.

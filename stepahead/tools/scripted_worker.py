@@ -19,6 +19,10 @@ so the output is the same as without drafts, and the rejected positions are roll
 worker at once (as vLLM's runner corrects its positions before the next step). The scheduler's
 counts run ahead by the rejections of steps it has not processed yet; the worker checks that gap.
 Drafts are reported in draft_token_ids for the synchronous scheduler, which sends them back.
+
+With a sliding window (as the scheduler's CacheConfig has it) a sampling step reads back only the
+window of the step's first position, and a write into the null block (a block the scheduler
+returned as out of the window) is an error.
 """
 
 from __future__ import annotations
@@ -78,15 +82,17 @@ class _ReqState:
 
 class ScriptedWorker:
     def __init__(self, model: ScriptedModel, block_size: int, num_blocks: int, verify_kv: bool = True,
-                 num_speculative_tokens: int = 0, draft_seed: int = 0) -> None:
+                 num_speculative_tokens: int = 0, draft_seed: int = 0, sliding_window: int | None = None) -> None:
         self.model = model
+        self.sliding_window = sliding_window
         self.num_speculative_tokens = num_speculative_tokens
         self.draft_rng = random.Random(draft_seed)
         self.block_size = block_size
         self.verify_kv = verify_kv
         self.kv: list[tuple[int, int] | None] = [None] * (block_size * num_blocks)
         self.states: dict[str, _ReqState] = {}
-        self._pending: list[tuple[str, bool, int]] | None = None  # (req id, samples, drafts) of the executed step
+        # (req id, samples, drafts, first position) of the executed step's rows
+        self._pending: list[tuple[str, bool, int, int]] | None = None
         self.num_steps = 0
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
@@ -100,7 +106,7 @@ class ScriptedWorker:
         cached = scheduler_output.scheduled_cached_reqs
         for k, rid in enumerate(cached.req_ids):
             self._update_cached(rid, k, cached)
-        rows: list[tuple[str, bool, int]] = []
+        rows: list[tuple[str, bool, int, int]] = []
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         for rid, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             state = self.states.get(rid)
@@ -119,7 +125,7 @@ class ScriptedWorker:
             samples = state.num_computed_tokens == len(known)
             if drafts and not samples:
                 raise WorkerStateError(f"{rid}: drafts scheduled in a step that does not reach them")
-            rows.append((rid, samples, len(drafts)))
+            rows.append((rid, samples, len(drafts), start))
         if not rows:
             return ModelRunnerOutput.empty()
         self._pending = rows
@@ -133,7 +139,7 @@ class ScriptedWorker:
         req_ids: list[str] = []
         sampled: list[list[int]] = []
         draft_token_ids: dict[str, list[int]] = {}
-        for rid, samples, num_drafts in rows:
+        for rid, samples, num_drafts, first_pos in rows:
             state = self.states[rid]
             req_ids.append(rid)
             if not samples:  # partial prefill: the sample is discarded
@@ -141,7 +147,7 @@ class ScriptedWorker:
                 continue
             tokens = self._verify(rid, state, num_drafts)
             if self.verify_kv:
-                self._verify_context(rid, state)
+                self._verify_context(rid, state, first_pos)
             state.token_ids.append(tokens[-1])
             sampled.append(tokens)
             if self.num_speculative_tokens:
@@ -231,10 +237,16 @@ class ScriptedWorker:
         return state.block_ids[block_index] * self.block_size + pos % self.block_size
 
     def _write_kv(self, rid: str, pos: int, token_id: int, state: _ReqState) -> None:
-        self.kv[self._slot(rid, state, pos)] = (token_id, pos)
+        slot = self._slot(rid, state, pos)
+        if slot < self.block_size:
+            raise WorkerStateError(f"{rid}: position {pos} written into the null block (table {state.block_ids})")
+        self.kv[slot] = (token_id, pos)
 
-    def _verify_context(self, rid: str, state: _ReqState) -> None:
-        for pos, token_id in enumerate(state.token_ids):
+    def _verify_context(self, rid: str, state: _ReqState, first_pos: int) -> None:
+        """Every position the step's attention reads: all before it, or the window of its first position."""
+        start = 0 if self.sliding_window is None else max(0, first_pos - self.sliding_window + 1)
+        for pos in range(start, len(state.token_ids)):
+            token_id = state.token_ids[pos]
             got = self.kv[self._slot(rid, state, pos)]
             if got != (token_id, pos):
                 raise WorkerStateError(f"{rid}: KV at position {pos} holds {got}, expected {(token_id, pos)}")
@@ -246,8 +258,9 @@ class ScriptedExecutor(Executor):
     def __init__(self, model: ScriptedModel, block_size: int, num_blocks: int, *, verify_kv: bool = True,
                  step_delay_s: float = 0.0, fail_at_step: int | None = None,
                  on_step: Callable[[ScriptedWorker], None] | None = None, num_speculative_tokens: int = 0,
-                 draft_seed: int = 0) -> None:
-        self.worker = ScriptedWorker(model, block_size, num_blocks, verify_kv, num_speculative_tokens, draft_seed)
+                 draft_seed: int = 0, sliding_window: int | None = None) -> None:
+        self.worker = ScriptedWorker(model, block_size, num_blocks, verify_kv, num_speculative_tokens, draft_seed,
+                                     sliding_window)
         self.step_delay_s = step_delay_s
         self.fail_at_step = fail_at_step
         self.on_step = on_step

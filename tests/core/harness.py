@@ -24,17 +24,19 @@ class Harness:
     def __init__(self, *, is_async: bool = True, depth: int | None = None, block_size: int = 4,
                  num_blocks: int = 64, budget: int = 64, max_num_seqs: int = 16, max_model_len: int = 128,
                  caching: bool = True, eos_at: dict[str, int] | None = None,
-                 chunked: bool = True, num_spec_tokens: int = 0, draft_seed: int = 0) -> None:
+                 chunked: bool = True, num_spec_tokens: int = 0, draft_seed: int = 0,
+                 sliding_window: int | None = None) -> None:
         cls = AsyncScheduler if is_async else Scheduler
         self.sched: Scheduler = cls(
             SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                             max_model_len=max_model_len, enable_chunked_prefill=chunked,
                             num_speculative_tokens=num_spec_tokens),
-            CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=caching))
+            CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=caching,
+                        sliding_window=sliding_window))
         self.depth = depth if depth is not None else (2 if is_async else 1)
         self.model = ScriptedModel(eos_token_id=EOS, eos_at=dict(eos_at or {}))
         self.worker = ScriptedWorker(self.model, block_size, num_blocks, num_speculative_tokens=num_spec_tokens,
-                                     draft_seed=draft_seed)
+                                     draft_seed=draft_seed, sliding_window=sliding_window)
         self.in_flight: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()
         self.delivered: dict[str, list[int]] = defaultdict(list)
         self.finished: dict[str, EngineCoreOutput] = {}

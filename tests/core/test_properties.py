@@ -1,5 +1,5 @@
 """Property tests: random adds, steps, outputs with random EOS, aborts, resets and tight pools, with
-and without random drafts and acceptance.
+and without random drafts and acceptance, with and without a sliding window.
 
 The harness checks the invariants after every operation; at the end every request must have
 received exactly the scripted tokens (async == sync, preempted == unpreempted, cached == uncached)
@@ -29,6 +29,8 @@ configs = st.fixed_dictionaries({
     "caching": st.booleans(),
     "num_spec_tokens": st.sampled_from([0, 0, 1, 2, 4]),
     "draft_seed": st.integers(0, 1000),
+    # Every layer windowed: blocks out of the window go back to the pool as requests advance.
+    "sliding_window": st.sampled_from([None, None, 2, 3, 5, 8]),
 })
 
 ops = st.lists(
@@ -100,6 +102,8 @@ def test_random_programs_keep_invariants_and_tokens(cfg, program, data):
     event(f"preempted: {h.sched.num_preemptions > 0}")
     event(f"wasted: {h.sched.num_wasted_request_steps > 0}")
     event(f"prefix hits: {h.sched.kv_cache_manager.prefix_cache_hits > 0}")
+    if cfg["sliding_window"]:
+        event(f"blocks out of the window: {h.sched.kv_cache_manager.num_window_freed_blocks > 0}")
     if cfg["num_spec_tokens"]:
         event(f"drafts rejected: {h.sched.num_accepted_tokens < h.sched.num_draft_tokens}")
         event(f"drafts accepted: {h.sched.num_accepted_tokens > 0}")

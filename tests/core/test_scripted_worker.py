@@ -87,3 +87,23 @@ def test_rejections_roll_back_and_the_scheduler_gap_is_checked():
     with pytest.raises(WorkerStateError, match="worker computed"):
         # A gap that no suffix of the recent rejections explains.
         w.execute_model(_so_drafts({"a": 1}, {}, w.states["a"].num_computed_tokens + 7, 6, 4))
+
+
+def test_write_into_the_null_block_is_caught():
+    """A table slot the scheduler returned as out of the window holds block 0: writing there is a bug."""
+    w = ScriptedWorker(ScriptedModel(), block_size=4, num_blocks=8, sliding_window=4)
+    with pytest.raises(WorkerStateError, match="null block"):
+        _step(w, _so([_new("a", [5, 6, 7, 8, 9], [0, 1])], sched={"a": 5}))
+
+
+def test_window_read_back_catches_an_overwritten_block_in_the_window():
+    """With a window the worker reads back only the window, but all of it."""
+    w = ScriptedWorker(ScriptedModel(), block_size=2, num_blocks=8, sliding_window=3)
+    _step(w, _so([_new("a", [5, 6, 7, 8, 9], [1, 2, 3])], sched={"a": 5}))
+    w.kv[1 * 2 + 0] = (99, 0)  # position 0: out of the window of position 5, never read
+    cached = CachedRequestData(["a"], new_block_ids=[None], num_computed_tokens=[5], num_output_tokens=[1])
+    _step(w, _so(cached=cached, sched={"a": 1}, step=2))
+    w.kv[3 * 2 + 0] = (99, 4)  # position 4: inside the window of position 6
+    cached = CachedRequestData(["a"], new_block_ids=[[4]], num_computed_tokens=[6], num_output_tokens=[2])
+    with pytest.raises(WorkerStateError, match="KV at position 4"):
+        _step(w, _so(cached=cached, sched={"a": 1}, step=3))

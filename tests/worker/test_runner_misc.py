@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from stepahead.core.sched_output import SchedulerOutput
+from stepahead.engine.arg_utils import EngineArgs
 from stepahead.models.loading.loader import load_model_config
 from stepahead.sampling_params import SamplingParams
 from stepahead.worker.model_runner import ModelRunner
@@ -64,6 +65,10 @@ def test_mistral_sliding_window_caps_context(tiny_model_factory, tmp_path):
     cfg["sliding_window"] = 64
     (folder / "config.json").write_text(json.dumps(cfg))
     assert load_model_config(str(folder), "cpu").max_model_len == 64
+    # The window reaches the scheduler's KV cache manager, which returns blocks out of it (none yet:
+    # the context is capped at the window).
+    config = EngineArgs(model=str(folder), num_kv_blocks=16).create_engine_config()
+    assert config.cache_config.sliding_window == 64
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
