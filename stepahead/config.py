@@ -166,6 +166,9 @@ class ParallelConfig:
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # Each stage's layer count (STEPAHEAD_PP_LAYER_PARTITION); None: vLLM's default split
+    # (distributed/layer_partition.py).
+    pp_layer_partition: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         check_field(self.tensor_parallel_size >= 1, "tensor_parallel_size", self.tensor_parallel_size, "must be >= 1")

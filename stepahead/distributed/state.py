@@ -29,6 +29,8 @@ class ParallelState:
     pp_rank: int = 0
     tp_group: Any = None  # torch.distributed ProcessGroup of this rank's stage
     world_group: Any = None  # every rank: p2p between stages and the sampled-token broadcast
+    # Each stage's layer count, as ParallelConfig.pp_layer_partition; None: the default split.
+    layer_partition: tuple[int, ...] | None = None
 
     @property
     def world_size(self) -> int:
@@ -70,7 +72,7 @@ _TIMEOUT = datetime.timedelta(seconds=60)
 
 
 def init_parallel_state(rank: int, tp_size: int, pp_size: int, master_addr: str, master_port: int,
-                        device: str) -> ParallelState:
+                        device: str, layer_partition: tuple[int, ...] | None = None) -> ParallelState:
     """Join the world over a TCP store (gloo on CPU, NCCL on CUDA) and build the TP groups."""
     import torch.distributed as dist
 
@@ -87,7 +89,7 @@ def init_parallel_state(rank: int, tp_size: int, pp_size: int, master_addr: str,
         if rank in ranks:
             tp_group = group
     return ParallelState(tp_size=tp_size, pp_size=pp_size, tp_rank=rank % tp_size, pp_rank=rank // tp_size,
-                         tp_group=tp_group, world_group=dist.group.WORLD)
+                         tp_group=tp_group, world_group=dist.group.WORLD, layer_partition=layer_partition)
 
 
 def free_tcp_port(host: str = "127.0.0.1") -> int:

@@ -135,7 +135,9 @@ class EngineArgs:
         return self.distributed_executor_backend or self.executor
 
     def parallel_config(self) -> ParallelConfig:
-        return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size)
+        from stepahead.distributed.layer_partition import partition_from_env
+
+        return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, partition_from_env())
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -223,11 +225,13 @@ class EngineArgs:
 def check_parallel(parallel: ParallelConfig, model_config, device: str, executor: str) -> None:
     """Sizes that do not split the model, or more ranks than this machine's CUDA devices for the mp
     executor (Ray places ranks on the cluster's devices): a ValueError naming the numbers."""
+    from stepahead.distributed.layer_partition import layer_partition
     from stepahead.models import registry
 
     margs = registry.model_args(model_config.architecture, model_config.hf_config)
     registry.family_of(model_config.architecture).check_parallel_sizes(
         margs, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
+    layer_partition(model_config.num_layers, parallel.pipeline_parallel_size, parallel.pp_layer_partition)
     if device == "cuda" and parallel.world_size > 1 and executor == "mp":
         import torch
 

@@ -107,7 +107,7 @@ def load_runner(config: EngineConfig, num_threads: int, rank: RankSpec | None = 
 
     p = config.parallel_config
     ps = init_parallel_state(rank.rank, p.tensor_parallel_size, p.pipeline_parallel_size, rank.master_addr,
-                             rank.master_port, config.device)
+                             rank.master_port, config.device, p.pp_layer_partition)
     calls = RunnerCalls(ModelRunner(config, ps))
     calls.reports_outputs = ps.is_sampler
     return calls

@@ -17,6 +17,7 @@ from torch import nn
 from stepahead.attention import paged_attention
 from stepahead.attention.paged_cache import PagedKVCache
 from stepahead.attention.sdpa import AttentionMetadata
+from stepahead.distributed.layer_partition import stage_layer_range
 from stepahead.distributed.state import SINGLE, ParallelState
 from stepahead.kernels import cpu_ops
 from stepahead.kernels.cpu_decode_stack import build_decode_stack
@@ -112,7 +113,8 @@ class RankShard:
 
 
 def check_parallel_sizes(a: LlamaArgs, tp: int, pp: int) -> None:
-    """Raise ValueError naming the numbers when the model cannot be split tp x pp ways."""
+    """Raise ValueError naming the numbers when the model cannot be split tp ways (any pp splits its
+    layers, unevenly if need be; engine/arg_utils.check_parallel checks the stages' layer counts)."""
     if a.num_heads % tp:
         raise ValueError(f"tensor_parallel_size={tp} does not divide num_attention_heads={a.num_heads}")
     if a.num_kv_heads % tp and tp % a.num_kv_heads:
@@ -120,14 +122,12 @@ def check_parallel_sizes(a: LlamaArgs, tp: int, pp: int) -> None:
                          "the other (KV heads are split across ranks, or replicated when fewer than ranks)")
     if a.intermediate_size % tp:
         raise ValueError(f"tensor_parallel_size={tp} does not divide intermediate_size={a.intermediate_size}")
-    if a.num_layers % pp:
-        raise ValueError(f"pipeline_parallel_size={pp} does not divide num_hidden_layers={a.num_layers}")
 
 
 def stage_layers(num_layers: int, ps: ParallelState) -> range:
-    """The global indices of the layers this pipeline stage holds (an even, contiguous split)."""
-    per_stage = num_layers // ps.pp_size
-    return range(ps.pp_rank * per_stage, (ps.pp_rank + 1) * per_stage)
+    """The global indices of the layers this pipeline stage holds: a contiguous split, uneven where P does
+    not divide the layers, or the override's (distributed/layer_partition.py)."""
+    return stage_layer_range(num_layers, ps.pp_rank, ps.pp_size, ps.layer_partition)
 
 
 class Attention(nn.Module):

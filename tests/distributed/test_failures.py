@@ -51,7 +51,7 @@ def test_rank_that_fails_to_load_reports_its_error(tiny_model_factory, tmp_path)
 
 @pytest.mark.parametrize("overrides,message", [
     (dict(tensor_parallel_size=3), "tensor_parallel_size=3 does not divide num_attention_heads=4"),
-    (dict(pipeline_parallel_size=3), "pipeline_parallel_size=3 does not divide num_hidden_layers=2"),
+    (dict(pipeline_parallel_size=3), "pipeline_parallel_size=3 exceeds num_hidden_layers=2"),
     (dict(tensor_parallel_size=2, distributed_executor_backend="uni"), "tensor_parallel_size=2"),
 ])
 def test_sizes_that_do_not_split_the_model(tiny_llama, overrides, message):

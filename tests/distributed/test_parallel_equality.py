@@ -11,6 +11,7 @@ import pytest
 
 from stepahead import LLM, SamplingParams
 from stepahead.bench.plot import lanes_of
+from stepahead.distributed.layer_partition import PARTITION_ENV
 from tests.distributed.conftest import GREEDY, MAX_MODEL_LEN, SEEDED, prompts, token_ids
 
 CONFIGS = {
@@ -47,6 +48,20 @@ def test_llama_parallel_equals_one_rank(tiny_llama, single_rank_tokens, name):
         outs = llm.generate(prompts(), _stop_params(greedy), use_tqdm=False)
         assert all(o.outputs[0].finish_reason == "stop" for o in outs)
         assert llm.stats().wasted_request_steps - before == EXPECTED_WASTE_PER_STOP[name] * len(outs)
+
+
+@pytest.mark.parametrize("partition", [None, "1,2"])
+def test_uneven_pipeline_stages_equal_one_rank(tiny_model_factory, monkeypatch, partition):
+    """Three layers at PP=2: vLLM's split (2, 1), or STEPAHEAD_PP_LAYER_PARTITION's (1, 2)."""
+    folder = str(tiny_model_factory("llama", num_hidden_layers=3))
+    monkeypatch.delenv(PARTITION_ENV, raising=False)
+    with LLM(folder, executor="uni", max_model_len=MAX_MODEL_LEN) as llm:
+        greedy = token_ids(llm, GREEDY)
+    if partition is not None:
+        monkeypatch.setenv(PARTITION_ENV, partition)
+    with LLM(folder, max_model_len=MAX_MODEL_LEN, pipeline_parallel_size=2) as llm:
+        assert llm.config.parallel_config.pp_layer_partition == (None if partition is None else (1, 2))
+        assert token_ids(llm, GREEDY) == greedy
 
 
 def test_qwen3_tensor_parallel_equals_one_rank(tiny_qwen3, single_rank_tokens):

@@ -69,3 +69,16 @@ def test_kv_heads_replicated_when_fewer_than_ranks(tiny_model_factory):
         assert m.layers[0].self_attn.num_kv_heads == 1
         kv_ref = full.layers[0].self_attn.qkv_proj.weight[4 * hd:]
         assert torch.equal(m.layers[0].self_attn.qkv_proj.weight[2 * hd:], kv_ref)
+
+
+@pytest.mark.parametrize("partition,expected", [(None, [[0, 1], [2]]), ((1, 2), [[0], [1, 2]])])
+def test_uneven_stages_hold_their_layers(tiny_model_factory, partition, expected):
+    """Three layers on two stages: the default split (2, 1), or the override's."""
+    mc = load_model_config(str(tiny_model_factory("llama", num_hidden_layers=3)), "cpu")
+    full = load_model(mc, "cpu")
+    for pp_rank, layer_ids in enumerate(expected):
+        m = load_model(mc, "cpu", ParallelState(1, 2, 0, pp_rank, layer_partition=partition))
+        assert list(m.layer_range) == layer_ids and len(m.layers) == len(layer_ids)
+        for layer, i in zip(m.layers, layer_ids, strict=True):
+            assert torch.equal(layer.self_attn.qkv_proj.weight, full.layers[i].self_attn.qkv_proj.weight)
+            assert torch.equal(layer.mlp.down_proj.weight, full.layers[i].mlp.down_proj.weight)
