@@ -4,6 +4,7 @@ Async scheduler with a batch queue of depth 2 and prefix caching on, as in the d
 The model's outputs are built outside the timed region. Usage:
 
     .venv/bin/python benchmarks/sched_step.py [--reqs 256] [--steps 500] [--no-prefix-caching] [--sync]
+        [--sliding-window W]   (every layer windowed: blocks out of the window go back to the pool)
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--no-prefix-caching", action="store_true")
     ap.add_argument("--sync", action="store_true")
+    ap.add_argument("--sliding-window", type=int, default=None)
     args = ap.parse_args()
 
     max_model_len = 4096
@@ -36,7 +38,7 @@ def main() -> None:
     cls = Scheduler if args.sync else AsyncScheduler
     sched = cls(SchedulerConfig(max_num_seqs=args.reqs, max_num_batched_tokens=8192, max_model_len=max_model_len),
                 CacheConfig(block_size=args.block_size, num_blocks=args.reqs * per_req + 1,
-                            enable_prefix_caching=not args.no_prefix_caching))
+                            enable_prefix_caching=not args.no_prefix_caching, sliding_window=args.sliding_window))
     shared = list(range(1000, 1000 + args.prompt_len // 2))  # half of every prompt is a shared prefix
     for i in range(args.reqs):
         prompt = shared + [i % 50000 + 10] * (args.prompt_len - len(shared))
@@ -73,10 +75,11 @@ def main() -> None:
     assert len(sched.running) == args.reqs, "all requests must be decoding"
     ms = [t * 1e3 for t in times]
     print(f"{'sync' if args.sync else 'async'} scheduler, {args.reqs} decoding requests, prefix caching "
-          f"{'off' if args.no_prefix_caching else 'on'}, block_size {args.block_size}: schedule+update per step "
+          f"{'off' if args.no_prefix_caching else 'on'}, block_size {args.block_size}, sliding window "
+          f"{args.sliding_window}: schedule+update per step "
           f"mean {statistics.mean(ms):.3f} ms, median {statistics.median(ms):.3f} ms, "
           f"p99 {sorted(ms)[int(len(ms) * 0.99)]:.3f} ms; CPU time mean {statistics.mean(cpu) * 1e3:.3f} ms "
-          f"over {len(ms)} steps")
+          f"over {len(ms)} steps; {sched.kv_cache_manager.num_window_freed_blocks} blocks left the window")
 
 
 if __name__ == "__main__":
