@@ -43,6 +43,11 @@ def test_pool_null_block_and_free_queue():
     assert pool.free_block_queue.ids() == [4, 1, 3, 5, 2]
     pool.free_blocks([pool.null_block, pool.null_block])  # never freed, however often listed
     assert pool.get_num_free_blocks() == 5 and pool.null_block.ref_cnt == 0
+    shared = pool.get_new_blocks(1)[0]
+    pool.touch([shared])  # two holders
+    pool.free_blocks([shared, pool.null_block, shared])  # listed twice in one call: queued once
+    assert shared.ref_cnt == 0 and pool.free_block_queue.ids().count(shared.block_id) == 1
+    assert pool.get_num_free_blocks() == 5
     with pytest.raises(ValueError):
         pool.get_new_blocks(6)
 
