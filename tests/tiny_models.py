@@ -19,7 +19,7 @@ CHATML_TEMPLATE = (
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 VOCAB_SIZE = 2048
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 
 
 def _training_text() -> list[str]:
@@ -76,6 +76,9 @@ def tiny_config(arch: str = "llama", **overrides):
         return transformers.Qwen2Config(**common)
     if arch == "qwen3":
         return transformers.Qwen3Config(head_dim=16, **common)
+    if arch == "phi3":  # Phi-4-mini's shape of rope: 3/4 of each head rotates
+        common.setdefault("partial_rotary_factor", 0.75)
+        return transformers.Phi3Config(sliding_window=None, **common)
     raise ValueError(f"unknown tiny arch {arch!r}")
 
 

@@ -1,0 +1,124 @@
+"""Phi-3 / Phi-4 (Phi3ForCausalLM): greedy token ids equal transformers' float32 on tiny random
+checkpoints with Phi-4-mini's partial rope (3/4 of each head) and LongRoPE in both of its regimes, from
+safetensors and from a GGUF file laid out as llama.cpp's converter writes phi3."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from stepahead import LLM, SamplingParams
+from stepahead.models.llama import LlamaArgs
+from stepahead.models.loading.loader import load_model, load_model_config
+from stepahead.models.rope import rope_cos_sin
+from tests.models.gguf_writer import write_gguf
+from tests.tiny_models import hf_greedy
+
+MAX_TOKENS = 8
+ORIGINAL = 128  # the tiny LongRoPE checkpoint's original context; it is stretched to 4x
+ROTARY_HALF = 6  # head_dim 16, partial_rotary_factor 0.75: 12 rotary features, 6 frequencies
+
+
+def _longrope(**overrides):
+    rng = random.Random(1)
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "short_factor": [round(rng.uniform(1.0, 1.5), 3) for _ in range(ROTARY_HALF)],
+            "long_factor": [round(rng.uniform(2.0, 9.0), 3) for _ in range(ROTARY_HALF)]}
+    return dict(rope_parameters=rope, original_max_position_embeddings=ORIGINAL,
+                max_position_embeddings=4 * ORIGINAL, **overrides)
+
+
+@pytest.fixture(scope="module")
+def tiny_phi3(tiny_model_factory):
+    return tiny_model_factory("phi3")
+
+
+@pytest.fixture(scope="module")
+def tiny_phi3_longrope(tiny_model_factory):
+    return tiny_model_factory("phi3", **_longrope())
+
+
+def _prompts(lengths, seed=0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 2048) for _ in range(n)] for n in lengths]
+
+
+def _generate(folder, prompts, **engine) -> list[list[int]]:
+    with LLM(str(folder), executor="uni", **engine) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_partial_rotary_greedy_matches_transformers(tiny_phi3):
+    prompts = _prompts((3, 17, 40))
+    assert _generate(tiny_phi3, prompts, max_model_len=256) == hf_greedy(tiny_phi3, prompts, MAX_TOKENS)
+
+
+def test_longrope_short_factors_within_the_original_context(tiny_phi3_longrope):
+    """max_model_len within the original context: the short factors throughout, as transformers uses
+    them while every sequence stays within it."""
+    prompts = _prompts((5, 33, 70))
+    got = _generate(tiny_phi3_longrope, prompts, max_model_len=ORIGINAL)
+    assert got == hf_greedy(tiny_phi3_longrope, prompts, MAX_TOKENS)
+
+
+def test_longrope_long_factors_past_the_original_context(tiny_phi3_longrope):
+    """max_model_len past the original context: the long factors at every position; transformers
+    agrees when every prompt already exceeds the original context."""
+    prompts = _prompts((ORIGINAL + 3, ORIGINAL + 40))
+    got = _generate(tiny_phi3_longrope, prompts, max_model_len=4 * ORIGINAL)
+    assert got == hf_greedy(tiny_phi3_longrope, prompts, MAX_TOKENS)
+
+
+def test_longrope_picks_its_factors_once_by_max_model_len(tiny_phi3_longrope):
+    """Where stepahead (as vLLM) and transformers part: with max_model_len past the original context a
+    short prompt is rotated by the long factors too (transformers would use the short ones until the
+    sequence crosses the original context)."""
+    args = load_model_config(str(tiny_phi3_longrope), "cpu").hf_config
+    margs = LlamaArgs.from_hf_config("Phi3ForCausalLM", args)
+    short = rope_cos_sin(margs, ORIGINAL, torch.float64, "cpu")
+    long = rope_cos_sin(margs, 4 * ORIGINAL, torch.float64, "cpu")
+    assert short.shape == (ORIGINAL, 2, 2 * ROTARY_HALF)
+    assert not torch.allclose(short[1:ORIGINAL], long[1:ORIGINAL])
+    # the attention factor scales both: sqrt(1 + ln 4 / ln 128) at position 0, where cos is 1
+    expected = (1 + torch.log(torch.tensor(4.0)) / torch.log(torch.tensor(float(ORIGINAL)))).sqrt().item()
+    assert short[0, 0, 0].item() == pytest.approx(expected) and long[0, 0, 0].item() == pytest.approx(expected)
+
+
+def test_gguf_matches_safetensors_twin(tiny_phi3_longrope, tmp_path):
+    """A phi3 GGUF file (fused attn_qkv and ffn_up, LongRoPE factor tensors, rope dimension count)
+    loads the safetensors twin's weights and config, and generates transformers' tokens."""
+    path = tmp_path / "phi3.gguf"
+    write_gguf(tiny_phi3_longrope, path)
+    g_cfg = load_model_config(str(path), "cpu", max_model_len=ORIGINAL)
+    s_cfg = load_model_config(str(tiny_phi3_longrope), "cpu", max_model_len=ORIGINAL)
+    assert (g_cfg.architecture, g_cfg.load_format) == ("Phi3ForCausalLM", "gguf")
+    g_args = LlamaArgs.from_hf_config("Phi3ForCausalLM", g_cfg.hf_config)
+    s_args = LlamaArgs.from_hf_config("Phi3ForCausalLM", s_cfg.hf_config)
+    assert g_args.partial_rotary_factor == s_args.partial_rotary_factor == 0.75
+    for field in ("short_factor", "long_factor", "original_max_position_embeddings"):
+        assert g_args.rope_scaling[field] == pytest.approx(s_args.rope_scaling[field])
+    g, s = load_model(g_cfg, "cpu"), load_model(s_cfg, "cpu")
+    for (n, a), (_, b) in zip(g.named_parameters(), s.named_parameters(), strict=True):
+        assert torch.equal(a, b), n
+    # the file holds the factors (and the attention factor) as float32, the config as decimals
+    assert torch.allclose(g.rope_cache, s.rope_cache, rtol=0, atol=1e-5)
+    prompts = _prompts((9, 50), seed=2)
+    got = _generate(path, prompts, max_model_len=ORIGINAL, tokenizer=str(tiny_phi3_longrope))  # the file has none
+    assert got == hf_greedy(tiny_phi3_longrope, prompts, MAX_TOKENS)
+
+
+def test_bad_longrope_factors_are_a_value_error(tiny_model_factory, tmp_path):
+    import json
+    import shutil
+
+    folder = tmp_path / "bad"
+    shutil.copytree(tiny_model_factory("phi3", **_longrope()), folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["rope_parameters"]["long_factor"] = cfg["rope_parameters"]["long_factor"][:-1]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="long_factor must hold 6 values"):
+        load_model_config(str(folder), "cpu")
