@@ -82,6 +82,18 @@ def tiny_config(arch: str = "llama", **overrides):
     raise ValueError(f"unknown tiny arch {arch!r}")
 
 
+def phi3_longrope(original: int = 128) -> dict:
+    """tiny_config("phi3") overrides for LongRoPE: an original context of `original` positions stretched
+    4x, random short (about 1) and long (2-9) factors over the 6 frequencies of 3/4 of a 16-wide head."""
+    import random
+
+    rng = random.Random(1)
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "short_factor": [round(rng.uniform(1.0, 1.5), 3) for _ in range(6)],
+            "long_factor": [round(rng.uniform(2.0, 9.0), 3) for _ in range(6)]}
+    return dict(rope_parameters=rope, original_max_position_embeddings=original, max_position_embeddings=4 * original)
+
+
 def build_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
     """Save a tiny random model of the given family, with the local tokenizer, into folder."""
     import torch

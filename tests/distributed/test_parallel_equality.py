@@ -11,7 +11,8 @@ import pytest
 
 from stepahead import LLM, SamplingParams
 from stepahead.bench.plot import lanes_of
-from tests.distributed.conftest import GREEDY, MAX_MODEL_LEN, SEEDED, prompts, token_ids
+from tests.distributed.conftest import GREEDY, MAX_MODEL_LEN, MAX_TOKENS, SEEDED, prompts, token_ids
+from tests.tiny_models import hf_greedy, phi3_longrope
 
 CONFIGS = {
     "tp2": dict(tensor_parallel_size=2),  # async, depth 2
@@ -54,6 +55,14 @@ def test_qwen3_tensor_parallel_equals_one_rank(tiny_qwen3, single_rank_tokens):
     with LLM(str(tiny_qwen3), max_model_len=MAX_MODEL_LEN, tensor_parallel_size=2) as llm:
         assert token_ids(llm, GREEDY) == greedy
         assert token_ids(llm, SEEDED) == seeded
+
+
+def test_phi3_tensor_parallel_matches_transformers(tiny_model_factory):
+    """Phi-3's fused qkv_proj and gate_up_proj, each rank reading its heads and intermediate slice out
+    of every part; LongRoPE and partial rope as Phi-4-mini."""
+    folder = tiny_model_factory("phi3", **phi3_longrope(MAX_MODEL_LEN))
+    with LLM(str(folder), max_model_len=MAX_MODEL_LEN, tensor_parallel_size=2) as llm:
+        assert token_ids(llm, GREEDY) == hf_greedy(folder, [p["prompt_token_ids"] for p in prompts()], MAX_TOKENS)
 
 
 def test_pipeline_depth3_preemption_and_abort_in_flight(tiny_llama, single_rank_tokens):

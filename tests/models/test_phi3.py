@@ -14,20 +14,11 @@ from stepahead.models.llama import LlamaArgs
 from stepahead.models.loading.loader import load_model, load_model_config
 from stepahead.models.rope import rope_cos_sin
 from tests.models.gguf_writer import write_gguf
-from tests.tiny_models import hf_greedy
+from tests.tiny_models import hf_greedy, phi3_longrope
 
 MAX_TOKENS = 8
 ORIGINAL = 128  # the tiny LongRoPE checkpoint's original context; it is stretched to 4x
 ROTARY_HALF = 6  # head_dim 16, partial_rotary_factor 0.75: 12 rotary features, 6 frequencies
-
-
-def _longrope(**overrides):
-    rng = random.Random(1)
-    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
-            "short_factor": [round(rng.uniform(1.0, 1.5), 3) for _ in range(ROTARY_HALF)],
-            "long_factor": [round(rng.uniform(2.0, 9.0), 3) for _ in range(ROTARY_HALF)]}
-    return dict(rope_parameters=rope, original_max_position_embeddings=ORIGINAL,
-                max_position_embeddings=4 * ORIGINAL, **overrides)
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +28,7 @@ def tiny_phi3(tiny_model_factory):
 
 @pytest.fixture(scope="module")
 def tiny_phi3_longrope(tiny_model_factory):
-    return tiny_model_factory("phi3", **_longrope())
+    return tiny_model_factory("phi3", **phi3_longrope(ORIGINAL))
 
 
 def _prompts(lengths, seed=0) -> list[list[int]]:
@@ -116,7 +107,7 @@ def test_bad_longrope_factors_are_a_value_error(tiny_model_factory, tmp_path):
     import shutil
 
     folder = tmp_path / "bad"
-    shutil.copytree(tiny_model_factory("phi3", **_longrope()), folder)
+    shutil.copytree(tiny_model_factory("phi3", **phi3_longrope(ORIGINAL)), folder)
     cfg = json.loads((folder / "config.json").read_text())
     cfg["rope_parameters"]["long_factor"] = cfg["rope_parameters"]["long_factor"][:-1]
     (folder / "config.json").write_text(json.dumps(cfg))
