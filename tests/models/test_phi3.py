@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from stepahead import LLM, SamplingParams
+from stepahead.bench.full_forward import sequence_logits
 from stepahead.models.llama import LlamaArgs
 from stepahead.models.loading.loader import load_model, load_model_config
 from stepahead.models.rope import rope_cos_sin
@@ -113,3 +114,25 @@ def test_bad_longrope_factors_are_a_value_error(tiny_model_factory, tmp_path):
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="long_factor must hold 6 values"):
         load_model_config(str(folder), "cpu")
+
+
+def test_quantized_gguf_packs_the_fused_projections(tiny_phi3_longrope, tmp_path):
+    """A phi3 file's quantized attn_qkv and ffn_up (gate and up) stay packed as one projection each
+    (--quantization auto on CPU) and the model follows the same file run dense; int8 quantizes the
+    safetensors twin's fused projections."""
+    path = tmp_path / "phi3-q.gguf"
+    write_gguf(tiny_phi3_longrope, path, {"attn_qkv": "Q4_1", "ffn_up": "Q4_0", "attn_output": "Q8_0",
+                                          "ffn_down": "Q4_1"})
+    packed = load_model(load_model_config(str(path), "cpu", max_model_len=ORIGINAL, quantization="auto"), "cpu")
+    dense = load_model(load_model_config(str(path), "cpu", max_model_len=ORIGINAL, quantization="none"), "cpu")
+    layer = packed.layers[0]
+    assert type(layer.self_attn.qkv_proj).__name__ == type(layer.mlp.gate_up_proj).__name__ == "Int4Linear"
+    prompt = list(range(40, 104))
+    ref = sequence_logits(dense, prompt)
+    assert float((sequence_logits(packed, prompt) - ref).abs().max()) < 0.05 * float(ref.abs().max())
+    int8 = load_model(load_model_config(str(tiny_phi3_longrope), "cpu", max_model_len=ORIGINAL,
+                                        quantization="int8"), "cpu")
+    assert type(int8.layers[1].self_attn.qkv_proj).__name__ == "Int8Linear"
+    twin = load_model(load_model_config(str(tiny_phi3_longrope), "cpu", max_model_len=ORIGINAL), "cpu")
+    ref = sequence_logits(twin, prompt)
+    assert float((sequence_logits(int8, prompt) - ref).abs().max()) < 0.02 * float(ref.abs().max())
