@@ -64,6 +64,11 @@ def write_gguf(folder, path, quant: dict[str, str] | None = None):
     w.add_eos_token_id(2)
     if arch == "phi3":
         _add_phi3_metadata(w, cfg)
+    elif (cfg.get("rope_parameters") or {}).get("rope_type") == "yarn":  # as llama.cpp's converter writes it
+        rope = cfg["rope_parameters"]
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     for name, t in sd.items():
         a = t.float().numpy()
         if name.startswith("model.layers."):

@@ -16,6 +16,7 @@ from stepahead import LLM, SamplingParams
 from stepahead.models.llama import LlamaArgs
 from stepahead.models.loading.loader import load_model_config
 from stepahead.models.rope import max_context, rope_inv_freq
+from tests.models.gguf_writer import write_gguf
 from tests.tiny_models import hf_greedy, tiny_config
 
 MAX_TOKENS = 8
@@ -50,6 +51,23 @@ def test_context_each_type_allows(tiny_model_factory):
     yarn = load_model_config(str(tiny_model_factory("llama", **SCALINGS["yarn"])), "cpu")
     dynamic = load_model_config(str(tiny_model_factory("qwen2", **SCALINGS["dynamic"])), "cpu")
     assert (yarn.max_model_len, dynamic.max_model_len) == (512, 1024)
+
+
+def test_yarn_gguf_matches_safetensors_twin(tiny_model_factory, tmp_path):
+    """A llama GGUF file with llama.cpp's yarn keys (type, factor, original context)."""
+    folder = tiny_model_factory("llama", **SCALINGS["yarn"])
+    path = tmp_path / "yarn.gguf"
+    write_gguf(folder, path)
+    g_cfg, s_cfg = load_model_config(str(path), "cpu"), load_model_config(str(folder), "cpu")
+    g_args = LlamaArgs.from_hf_config("LlamaForCausalLM", g_cfg.hf_config)
+    s_args = LlamaArgs.from_hf_config("LlamaForCausalLM", s_cfg.hf_config)
+    assert g_args.rope_scaling == {key: s_args.rope_scaling[key] for key in g_args.rope_scaling}
+    assert g_cfg.max_model_len == s_cfg.max_model_len == 512
+    prompts = _prompts()
+    with LLM(str(path), executor="uni", max_model_len=256, tokenizer=str(folder)) as llm:  # the file has none
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(folder, prompts, MAX_TOKENS)
 
 
 def _hf_rope(config) -> tuple[torch.Tensor, float]:

@@ -87,11 +87,28 @@ def read_gguf_config(path: str) -> tuple[str, dict]:
     scaling = _field(reader, f"{arch}.rope.scaling.type")
     if scaling == "linear":
         cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(_field(reader, f"{arch}.rope.scaling.factor"))}
+    elif scaling == "yarn":
+        cfg["rope_scaling"] = _yarn_scaling(reader, arch, cfg["max_position_embeddings"])
     elif scaling not in (None, "none"):
         raise ValueError(f"GGUF rope scaling {scaling!r} is not supported")
     if arch == "phi3":
         cfg.update(_phi3_config(reader, cfg))
     return GGUF_ARCHITECTURES[arch], cfg
+
+
+def _yarn_scaling(reader, arch: str, context: int) -> dict:
+    """rope_scaling of a yarn file: its factor, original context and ramp bounds. DeepSeek's log
+    multiplier (the HF mscale pair) is refused rather than guessed."""
+    if _field(reader, f"{arch}.rope.scaling.yarn_log_multiplier"):
+        raise ValueError("GGUF yarn rope scaling with yarn_log_multiplier is not supported")
+    scaling = {"rope_type": "yarn", "factor": float(_field(reader, f"{arch}.rope.scaling.factor")),
+               "original_max_position_embeddings": int(_field(reader, f"{arch}.rope.scaling.original_context_length",
+                                                              context))}
+    for name in ("beta_fast", "beta_slow"):
+        value = _field(reader, f"{arch}.rope.scaling.yarn_{name}")
+        if value is not None:
+            scaling[name] = float(value)
+    return scaling
 
 
 def _phi3_config(reader, cfg: dict) -> dict:
