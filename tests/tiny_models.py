@@ -124,3 +124,13 @@ def hf_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int) -> li
                                eos_token_id=None, pad_token_id=0)
             outs.append(y[0, len(ids):].tolist())
     return outs
+
+
+def hf_logits(folder: Path, ids: list[int]):
+    """Reference: transformers' float32 logits [len(ids), vocab] of one forward pass over ids."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()

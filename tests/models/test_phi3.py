@@ -15,7 +15,7 @@ from stepahead.models.llama import LlamaArgs
 from stepahead.models.loading.loader import load_model, load_model_config
 from stepahead.models.rope import rope_cos_sin
 from tests.models.gguf_writer import write_gguf
-from tests.tiny_models import hf_greedy, phi3_longrope
+from tests.tiny_models import hf_greedy, hf_logits, phi3_longrope
 
 MAX_TOKENS = 8
 ORIGINAL = 128  # the tiny LongRoPE checkpoint's original context; it is stretched to 4x
@@ -63,6 +63,17 @@ def test_longrope_long_factors_past_the_original_context(tiny_phi3_longrope):
     prompts = _prompts((ORIGINAL + 3, ORIGINAL + 40))
     got = _generate(tiny_phi3_longrope, prompts, max_model_len=4 * ORIGINAL)
     assert got == hf_greedy(tiny_phi3_longrope, prompts, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("max_model_len,prompt_len", [(ORIGINAL, 70), (4 * ORIGINAL, ORIGINAL + 42)],
+                         ids=["short-factors", "long-factors"])
+def test_longrope_logits_match_transformers(tiny_phi3_longrope, max_model_len, prompt_len):
+    """The tiny model's logits are small (random weights), so greedy ids barely see rope: its logits
+    over a whole prompt do (the other factor set moves them by about 1e-2, fp32 rounding by 1e-7)."""
+    (prompt,) = _prompts((prompt_len,), seed=3)
+    model = load_model(load_model_config(str(tiny_phi3_longrope), "cpu", max_model_len=max_model_len), "cpu")
+    torch.testing.assert_close(sequence_logits(model, prompt), hf_logits(tiny_phi3_longrope, prompt),
+                               rtol=0, atol=1e-5)
 
 
 def test_longrope_picks_its_factors_once_by_max_model_len(tiny_phi3_longrope):

@@ -13,11 +13,12 @@ import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from stepahead import LLM, SamplingParams
+from stepahead.bench.full_forward import sequence_logits
 from stepahead.models.llama import LlamaArgs
-from stepahead.models.loading.loader import load_model_config
+from stepahead.models.loading.loader import load_model, load_model_config
 from stepahead.models.rope import max_context, rope_inv_freq
 from tests.models.gguf_writer import write_gguf
-from tests.tiny_models import hf_greedy, tiny_config
+from tests.tiny_models import hf_greedy, hf_logits, tiny_config
 
 MAX_TOKENS = 8
 SCALINGS = {
@@ -43,6 +44,17 @@ def test_greedy_matches_transformers(tiny_model_factory, arch, kind):
         outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()],
                             SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(folder, _prompts(), MAX_TOKENS)
+
+
+@pytest.mark.parametrize("kind", list(SCALINGS))
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_logits_match_transformers(tiny_model_factory, arch, kind):
+    """Logits over a 150-token prompt: the tiny model's greedy ids barely see rope (its logits are
+    small), these do (yarn without its attention factor moves them by about 4e-3, fp32 rounding by 2e-7)."""
+    folder = tiny_model_factory(arch, **SCALINGS[kind])
+    prompt = _prompts()[-1]
+    model = load_model(load_model_config(str(folder), "cpu", max_model_len=256), "cpu")
+    torch.testing.assert_close(sequence_logits(model, prompt), hf_logits(folder, prompt), rtol=0, atol=1e-5)
 
 
 def test_context_each_type_allows(tiny_model_factory):
