@@ -78,7 +78,8 @@ def tiny_config(arch: str = "llama", **overrides):
         return transformers.Qwen3Config(head_dim=16, **common)
     if arch == "phi3":  # Phi-4-mini's shape of rope: 3/4 of each head rotates
         common.setdefault("partial_rotary_factor", 0.75)
-        return transformers.Phi3Config(sliding_window=None, **common)
+        common.setdefault("sliding_window", None)
+        return transformers.Phi3Config(**common)
     raise ValueError(f"unknown tiny arch {arch!r}")
 
 

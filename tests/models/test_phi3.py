@@ -147,3 +147,10 @@ def test_quantized_gguf_packs_the_fused_projections(tiny_phi3_longrope, tmp_path
     twin = load_model(load_model_config(str(tiny_phi3_longrope), "cpu", max_model_len=ORIGINAL), "cpu")
     ref = sequence_logits(twin, prompt)
     assert float((sequence_logits(int8, prompt) - ref).abs().max()) < 0.02 * float(ref.abs().max())
+
+
+def test_sliding_window_caps_the_context(tiny_model_factory):
+    """Phi-3-mini-4k's window (2047 of 4096) caps max_model_len, where full attention equals it; a
+    larger one (Phi-3.5's) leaves max_position_embeddings."""
+    assert load_model_config(str(tiny_model_factory("phi3", sliding_window=100)), "cpu").max_model_len == 100
+    assert load_model_config(str(tiny_model_factory("phi3", sliding_window=4096)), "cpu").max_model_len == 512
