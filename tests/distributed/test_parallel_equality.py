@@ -57,11 +57,12 @@ def test_qwen3_tensor_parallel_equals_one_rank(tiny_qwen3, single_rank_tokens):
         assert token_ids(llm, SEEDED) == seeded
 
 
-def test_phi3_tensor_parallel_matches_transformers(tiny_model_factory):
-    """Phi-3's fused qkv_proj and gate_up_proj, each rank reading its heads and intermediate slice out
-    of every part; LongRoPE and partial rope as Phi-4-mini."""
+@pytest.mark.parametrize("name", ["tp2", "pp2_async"])
+def test_phi3_parallel_matches_transformers(tiny_model_factory, name):
+    """Phi-3's fused qkv_proj and gate_up_proj, each tensor rank reading its heads and intermediate slice
+    out of every part, each stage its layers; LongRoPE and partial rope as Phi-4-mini."""
     folder = tiny_model_factory("phi3", **phi3_longrope(MAX_MODEL_LEN))
-    with LLM(str(folder), max_model_len=MAX_MODEL_LEN, tensor_parallel_size=2) as llm:
+    with LLM(str(folder), max_model_len=MAX_MODEL_LEN, **CONFIGS[name]) as llm:
         assert token_ids(llm, GREEDY) == hf_greedy(folder, [p["prompt_token_ids"] for p in prompts()], MAX_TOKENS)
 
 
