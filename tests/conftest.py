@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import shutil
 import tempfile
@@ -27,7 +28,7 @@ def tiny_model_factory(tmp_path_factory):
     cache: dict = {}
 
     def make(arch: str = "llama", **overrides):
-        key = (arch, tuple(sorted(overrides.items())))
+        key = (arch, json.dumps(overrides, sort_keys=True))  # overrides may hold dicts (rope_parameters)
         if key not in cache:
             folder = tmp_path_factory.mktemp(f"tiny-{arch}")
             cache[key] = build_tiny_model(folder, arch, **overrides)

@@ -19,7 +19,7 @@ CHATML_TEMPLATE = (
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 VOCAB_SIZE = 2048
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 
 
 def _training_text() -> list[str]:
@@ -76,7 +76,23 @@ def tiny_config(arch: str = "llama", **overrides):
         return transformers.Qwen2Config(**common)
     if arch == "qwen3":
         return transformers.Qwen3Config(head_dim=16, **common)
+    if arch == "phi3":  # Phi-4-mini's shape of rope: 3/4 of each head rotates
+        common.setdefault("partial_rotary_factor", 0.75)
+        common.setdefault("sliding_window", None)
+        return transformers.Phi3Config(**common)
     raise ValueError(f"unknown tiny arch {arch!r}")
+
+
+def phi3_longrope(original: int = 128) -> dict:
+    """tiny_config("phi3") overrides for LongRoPE: an original context of `original` positions stretched
+    4x, random short (about 1) and long (2-9) factors over the 6 frequencies of 3/4 of a 16-wide head."""
+    import random
+
+    rng = random.Random(1)
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "short_factor": [round(rng.uniform(1.0, 1.5), 3) for _ in range(6)],
+            "long_factor": [round(rng.uniform(2.0, 9.0), 3) for _ in range(6)]}
+    return dict(rope_parameters=rope, original_max_position_embeddings=original, max_position_embeddings=4 * original)
 
 
 def build_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
@@ -109,3 +125,13 @@ def hf_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int) -> li
                                eos_token_id=None, pad_token_id=0)
             outs.append(y[0, len(ids):].tolist())
     return outs
+
+
+def hf_logits(folder: Path, ids: list[int]):
+    """Reference: transformers' float32 logits [len(ids), vocab] of one forward pass over ids."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()

@@ -41,7 +41,8 @@ def rms_norm_is_torchs(dim: int) -> bool:
 
 def rotary_embedding_(x: torch.Tensor, cos_sin: torch.Tensor) -> None:
     """Rotate x [tokens, heads, head_dim] (unit stride within a head) in place by each token's
-    cos_sin [tokens, 2, head_dim] rows, rotate-half convention."""
+    cos_sin [tokens, 2, rotary_dim] rows, rotate-half convention: the first rotary_dim features of each
+    head rotate, the rest stay."""
     _op("rotary_embedding")(x, cos_sin)
 
 

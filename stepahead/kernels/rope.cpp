@@ -42,24 +42,27 @@ void rotate(float* x, const float* cos, const float* sin, int64_t half) {
 
 namespace stepahead_cpu {
 
-void rope_token(float* x, int64_t heads, int64_t head_stride, const float* cos_sin, int64_t head_dim) {
-  for (int64_t h = 0; h < heads; ++h) rotate(x + h * head_stride, cos_sin, cos_sin + head_dim, head_dim / 2);
+void rope_token(float* x, int64_t heads, int64_t head_stride, const float* cos_sin, int64_t rotary_dim) {
+  for (int64_t h = 0; h < heads; ++h) rotate(x + h * head_stride, cos_sin, cos_sin + rotary_dim, rotary_dim / 2);
 }
 
 // x [tokens, heads, head_dim] (any token and head strides, unit stride within a head), rotated in
-// place; cos_sin [tokens, 2, head_dim] contiguous: each token's cos and sin rows.
+// place; cos_sin [tokens, 2, rotary_dim] contiguous: each token's cos and sin rows. The first
+// rotary_dim features of each head rotate (rotary_dim < head_dim: Phi-4-mini's partial rope), the
+// rest are left as they are.
 void rotary_embedding(at::Tensor& x, const at::Tensor& cos_sin) {
-  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.stride(2) == 1 && x.size(2) % 2 == 0,
-              "x must be a float32 [tokens, heads, head_dim] tensor, unit stride in an even head_dim");
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.stride(2) == 1,
+              "x must be a float32 [tokens, heads, head_dim] tensor, unit stride within a head");
   const int64_t tokens = x.size(0), heads = x.size(1), hd = x.size(2);
-  TORCH_CHECK(cos_sin.dim() == 3 && cos_sin.size(0) == tokens && cos_sin.size(1) == 2 && cos_sin.size(2) == hd &&
-                  cos_sin.scalar_type() == at::kFloat && cos_sin.is_contiguous(),
-              "cos_sin must be a contiguous float32 [tokens, 2, head_dim] tensor");
+  TORCH_CHECK(cos_sin.dim() == 3 && cos_sin.size(0) == tokens && cos_sin.size(1) == 2 && cos_sin.size(2) <= hd &&
+                  cos_sin.size(2) % 2 == 0 && cos_sin.scalar_type() == at::kFloat && cos_sin.is_contiguous(),
+              "cos_sin must be a contiguous float32 [tokens, 2, rotary_dim] tensor, rotary_dim even and <= head_dim");
+  const int64_t rot = cos_sin.size(2);
   float* xp = x.data_ptr<float>();
   const float* cs = cos_sin.data_ptr<float>();
   const int64_t token_stride = x.stride(0), head_stride = x.stride(1);
   at::parallel_for(0, tokens, kTokensPerTask, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) rope_token(xp + t * token_stride, heads, head_stride, cs + t * 2 * hd, hd);
+    for (int64_t t = begin; t < end; ++t) rope_token(xp + t * token_stride, heads, head_stride, cs + t * 2 * rot, rot);
   });
 }
 

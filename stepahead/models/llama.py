@@ -31,7 +31,7 @@ from stepahead.models.parallel_layers import (
     vocab_shard,
 )
 from stepahead.models.quant.prompt_rows import PromptRows
-from stepahead.models.rope import apply_rope, rope_inv_freq
+from stepahead.models.rope import apply_rope, rope_cos_sin
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -53,12 +53,15 @@ class LlamaArgs:
     tie_word_embeddings: bool
     qkv_bias: bool
     qk_norm: bool
+    partial_rotary_factor: float = 1.0  # the share of each head's features rope rotates (models/rope.py)
 
     @staticmethod
     def from_hf_config(arch: str, cfg: dict) -> LlamaArgs:
         heads = cfg["num_attention_heads"]
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+        if "original_max_position_embeddings" in cfg:  # kept beside rope_scaling by some checkpoints (Phi-3)
+            rope.setdefault("original_max_position_embeddings", cfg["original_max_position_embeddings"])
         return LlamaArgs(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -75,6 +78,7 @@ class LlamaArgs:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM",
+            partial_rotary_factor=float(cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))),
         )
 
 
@@ -145,7 +149,7 @@ class Attention(nn.Module):
         self.fused_rope = None  # CUDA: triton_fused.rope_qk_norm_ (LlamaForCausalLM.use_triton_fused)
 
     def forward(self, x, cos_sin, kv, meta, prompt_rows: PromptRows | None = None) -> torch.Tensor:
-        """cos_sin [T, 2, head_dim]: each token's rope rows."""
+        """cos_sin [T, 2, rotary dim]: each token's rope rows."""
         t = x.shape[0]
         heads = self.qkv_proj(x, prompt_rows).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         qk_heads, v = heads.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
@@ -204,9 +208,10 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(normed, prompt_rows)
 
 
-class _ShardRead(NamedTuple):
+class ShardRead(NamedTuple):
     """The part of a checkpoint tensor a rank loads: `length` entries from `start` along `dim` (where
-    the checkpoint holds `full`), into the parameter's rows from `offset` (None: the whole parameter)."""
+    the checkpoint holds `full`), into the parameter's rows from `offset` (None: the whole parameter).
+    A checkpoint tensor that fuses projections (Phi-3's qkv_proj) takes one read per part."""
 
     offset: int | None
     dim: int
@@ -234,7 +239,7 @@ class LlamaForCausalLM(nn.Module):
         if ps.is_last_stage:
             self.lm_head = ParallelLMHead(a.vocab_size, a.hidden_size, ps,
                                           tied=self.embed_tokens if a.tie_word_embeddings else None)
-        self.rope_cache: torch.Tensor | None = None  # [max_pos, 2, hd]: cos, sin
+        self.rope_cache: torch.Tensor | None = None  # [max_pos, 2, rotary dim]: cos, sin
         self.cpu_kernels = False  # whether rope, norms, activations, decode attention run stepahead's CPU kernels
         self.decode_stack = None  # the layers as one C++ call for decode-only steps (kernels/cpu_decode_stack.py)
         self.dense_prompt_rows = False  # whether packed projections run prompt rows dense (models/quant/prompt_rows.py)
@@ -256,8 +261,9 @@ class LlamaForCausalLM(nn.Module):
         Triton kernel each (models/triton_fused.py): the runner's choice on CUDA."""
         from stepahead.models import triton_fused
 
+        full_rotary = self.args.partial_rotary_factor == 1.0  # the kernel rotates whole heads
         for module in self.modules():
-            if isinstance(module, Attention):
+            if isinstance(module, Attention) and full_rotary:
                 module.fused_rope = triton_fused.rope_qk_norm_
             elif isinstance(module, DecoderLayer):
                 module.fused_add_norm = triton_fused.add_rms_norm
@@ -273,10 +279,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.use_onednn()
 
     def init_rope(self, max_positions: int, dtype: torch.dtype, device) -> None:
-        pos = torch.arange(max_positions, dtype=torch.float64)
-        freqs = torch.outer(pos, rope_inv_freq(self.args))
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.rope_cache = torch.stack((emb.cos(), emb.sin()), dim=1).to(dtype=dtype, device=device)
+        self.rope_cache = rope_cos_sin(self.args, max_positions, dtype, device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: PagedKVCache,
                 meta, hidden: torch.Tensor | None = None, prompt_rows: PromptRows | None = None) -> torch.Tensor:
@@ -289,7 +292,7 @@ class LlamaForCausalLM(nn.Module):
             h = self.embed_tokens(input_ids)
         else:
             h = hidden if hidden is not None else self.rope_cache.new_zeros(input_ids.shape[0], self.args.hidden_size)
-        cos_sin = self.rope_cache.index_select(0, positions)  # [T, 2, hd]
+        cos_sin = self.rope_cache.index_select(0, positions)  # [T, 2, rotary dim]
         group = None
         if self.decode_stack is not None and prompt_rows is None and isinstance(meta, AttentionMetadata):
             group = meta.single_decode_group()
@@ -305,28 +308,41 @@ class LlamaForCausalLM(nn.Module):
         """Logits over the whole vocabulary (gathered across tensor ranks); last stage only."""
         return self.lm_head(hidden)
 
+    def part_reads(self) -> dict[str, ShardRead]:
+        """This rank's read of each projection as a checkpoint tensor of its own (q_proj, ..., down_proj),
+        into its rows of the model's (fused) projection."""
+        a, shard, ps = self.args, self.shard, self.ps
+        hd, inter = a.head_dim, shard.intermediate_size
+        q_local, kv_local = shard.num_heads * hd, shard.num_kv_heads * hd
+        q_all, kv_all = a.num_heads * hd, a.num_kv_heads * hd
+        q_start, kv_start, inter_start = ps.tp_rank * q_local, shard.kv_head_start * hd, ps.tp_rank * inter
+        return {
+            "q_proj": ShardRead(0, 0, q_start, q_local, q_all),
+            "k_proj": ShardRead(q_local, 0, kv_start, kv_local, kv_all),
+            "v_proj": ShardRead(q_local + kv_local, 0, kv_start, kv_local, kv_all),
+            "gate_proj": ShardRead(0, 0, inter_start, inter, a.intermediate_size),
+            "up_proj": ShardRead(inter, 0, inter_start, inter, a.intermediate_size),
+            "o_proj": ShardRead(None, 1, q_start, q_local, q_all),
+            "down_proj": ShardRead(None, 1, inter_start, inter, a.intermediate_size),
+        }
+
+    def shard_reads(self) -> dict[str, tuple[str, tuple[ShardRead, ...]]]:
+        """checkpoint projection -> (the model's projection it loads into, this rank's reads of it):
+        Llama checkpoints hold q/k/v and gate/up apart, and the model fuses them."""
+        fused = {"q_proj": "self_attn.qkv_proj", "k_proj": "self_attn.qkv_proj", "v_proj": "self_attn.qkv_proj",
+                 "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_up_proj", "up_proj": "mlp.gate_up_proj",
+                 "down_proj": "mlp.down_proj"}
+        return {f"{fused[part].split('.')[0]}.{part}.": (f"{fused[part]}.", (read,))
+                for part, read in self.part_reads().items()}
+
     @torch.no_grad()
     def load_weights(self, weights) -> None:
-        """weights: iterable of (HF name, tensor or WeightHandle). Fuses q/k/v and gate/up as they arrive,
-        reading only this rank's shard of each and nothing of the layers other stages hold."""
-        a, shard, ps = self.args, self.shard, self.ps
+        """weights: iterable of (HF name, tensor or WeightHandle). Fuses q/k/v and gate/up as they arrive
+        (shard_reads), reading only this rank's shard of each and nothing of the layers other stages hold."""
+        a, ps = self.args, self.ps
         params = dict(self.named_parameters())
+        split = self.shard_reads()
         seen: set[str] = set()
-        hd = a.head_dim
-        q_local, kv_local = shard.num_heads * hd, shard.num_kv_heads * hd
-        inter = shard.intermediate_size
-        q_all, kv_all = a.num_heads * hd, a.num_kv_heads * hd
-        # checkpoint projection -> (fused target, where this rank's slice is read from and goes)
-        split = {
-            "self_attn.q_proj.": ("self_attn.qkv_proj.", 0, 0, ps.tp_rank * q_local, q_local, q_all),
-            "self_attn.k_proj.": ("self_attn.qkv_proj.", q_local, 0, shard.kv_head_start * hd, kv_local, kv_all),
-            "self_attn.v_proj.": ("self_attn.qkv_proj.", q_local + kv_local, 0, shard.kv_head_start * hd, kv_local,
-                                  kv_all),
-            "mlp.gate_proj.": ("mlp.gate_up_proj.", 0, 0, ps.tp_rank * inter, inter, a.intermediate_size),
-            "mlp.up_proj.": ("mlp.gate_up_proj.", inter, 0, ps.tp_rank * inter, inter, a.intermediate_size),
-            "self_attn.o_proj.": ("self_attn.o_proj.", None, 1, ps.tp_rank * q_local, q_local, q_all),
-            "mlp.down_proj.": ("mlp.down_proj.", None, 1, ps.tp_rank * inter, inter, a.intermediate_size),
-        }
         for name, w in weights:
             name = name.removeprefix("model.")
             if "rotary_emb" in name:
@@ -337,10 +353,10 @@ class LlamaForCausalLM(nn.Module):
             if local is None:  # another stage's
                 continue
             handle = as_handle(w)
-            target, read = local, None
-            for proj, (fused, *where) in split.items():
+            target, reads = local, None
+            for proj, (fused, proj_reads) in split.items():
                 if proj in local:
-                    target, read = local.replace(proj, fused), _ShardRead(*where)
+                    target, reads = local.replace(proj, fused), proj_reads
             if target not in params:
                 raise ValueError(f"unexpected weight {name!r} for {a.architecture}")
             p = params[target]
@@ -348,29 +364,31 @@ class LlamaForCausalLM(nn.Module):
                 vocab_start, _ = vocab_shard(a.vocab_size, ps)
                 rows = max(0, min(p.shape[0], handle.shape[0] - vocab_start))
                 p[rows:].zero_()  # the padding of the last vocabulary slice
-                dst, read = p.narrow(0, 0, rows), _ShardRead(0, 0, vocab_start, rows, a.vocab_size)
-            elif read is None or read.offset is None:
-                dst = p
-            else:
-                dst = p.narrow(0, read.offset, read.length)
-            expected = tuple(dst.shape)
-            if read is None:
-                ok = tuple(handle.shape) == expected
-            else:
-                shape = list(handle.shape)
-                ok = len(shape) > read.dim and shape[read.dim] == read.full
-                if ok:
-                    shape[read.dim] = read.length
-                ok = ok and tuple(shape) == expected
-            if not ok:
-                of_rank = f" (rank {ps.rank}'s part)" if ps.world_size > 1 else ""
-                raise ValueError(f"weight {name!r} has shape {tuple(handle.shape)}, expected {expected}{of_rank}")
-            whole = read is None or (read.start == 0 and read.length == handle.shape[read.dim])
-            dst.copy_(handle.load() if whole else handle.narrow(read.dim, read.start, read.length))
+                reads = (ShardRead(0, 0, vocab_start, rows, a.vocab_size),)
+            for read in reads or (None,):
+                self._load_part(name, handle, p, read)
             seen.add(local)
         missing = [n for n in self.expected_weight_names() if n not in seen]
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")
+
+    def _load_part(self, name: str, handle, p: torch.Tensor, read: ShardRead | None) -> None:
+        """Copy one read of a checkpoint tensor (None: all of it) into its rows of parameter p."""
+        dst = p if read is None or read.offset is None else p.narrow(0, read.offset, read.length)
+        expected = tuple(dst.shape)
+        if read is None:
+            ok = tuple(handle.shape) == expected
+        else:
+            shape = list(handle.shape)
+            ok = len(shape) > read.dim and shape[read.dim] == read.full
+            if ok:
+                shape[read.dim] = read.length
+            ok = ok and tuple(shape) == expected
+        if not ok:
+            of_rank = f" (rank {self.ps.rank}'s part)" if self.ps.world_size > 1 else ""
+            raise ValueError(f"weight {name!r} has shape {tuple(handle.shape)}, expected {expected}{of_rank}")
+        whole = read is None or (read.start == 0 and read.length == handle.shape[read.dim])
+        dst.copy_(handle.load() if whole else handle.narrow(read.dim, read.start, read.length))
 
     def _local_name(self, name: str) -> str | None:
         """The checkpoint name with this stage's layer index, or None for a weight this stage does not hold."""
@@ -387,12 +405,12 @@ class LlamaForCausalLM(nn.Module):
         return name
 
     def expected_weight_names(self) -> list[str]:
+        """The checkpoint's names (this stage's layer numbering) of every tensor the model loads."""
+        sources: dict[str, list[str]] = {}
+        for proj, (fused, _) in self.shard_reads().items():
+            sources.setdefault(fused, []).append(proj)
         names = []
         for n, _ in self.named_parameters():
-            if ".qkv_proj." in n:
-                names += [n.replace("qkv_proj", p) for p in ("q_proj", "k_proj", "v_proj")]
-            elif ".gate_up_proj." in n:
-                names += [n.replace("gate_up_proj", p) for p in ("gate_proj", "up_proj")]
-            else:
-                names.append(n)
+            fused = next((f for f in sources if f in n), None)
+            names += [n] if fused is None else [n.replace(fused, proj) for proj in sources[fused]]
         return names

@@ -48,11 +48,13 @@ class ModelFamily:
 
 
 def _families() -> tuple[ModelFamily, ...]:
-    from stepahead.models import llama
+    from stepahead.models import llama, phi3
 
     return (
         ModelFamily("Llama", llama.SUPPORTED_ARCHITECTURES, llama.LlamaArgs.from_hf_config,
                     llama.LlamaForCausalLM, llama.check_parallel_sizes),
+        ModelFamily("Phi3", phi3.SUPPORTED_ARCHITECTURES, phi3.phi3_args, phi3.Phi3ForCausalLM,
+                    llama.check_parallel_sizes),
     )
 
 

@@ -12,7 +12,8 @@ import pytest
 from stepahead import LLM, SamplingParams
 from stepahead.bench.plot import lanes_of
 from stepahead.distributed.layer_partition import PARTITION_ENV
-from tests.distributed.conftest import GREEDY, MAX_MODEL_LEN, SEEDED, prompts, token_ids
+from tests.distributed.conftest import GREEDY, MAX_MODEL_LEN, MAX_TOKENS, SEEDED, prompts, token_ids
+from tests.tiny_models import hf_greedy, phi3_longrope
 
 CONFIGS = {
     "tp2": dict(tensor_parallel_size=2),  # async, depth 2
@@ -69,6 +70,15 @@ def test_qwen3_tensor_parallel_equals_one_rank(tiny_qwen3, single_rank_tokens):
     with LLM(str(tiny_qwen3), max_model_len=MAX_MODEL_LEN, tensor_parallel_size=2) as llm:
         assert token_ids(llm, GREEDY) == greedy
         assert token_ids(llm, SEEDED) == seeded
+
+
+@pytest.mark.parametrize("name", ["tp2", "pp2_async"])
+def test_phi3_parallel_matches_transformers(tiny_model_factory, name):
+    """Phi-3's fused qkv_proj and gate_up_proj, each tensor rank reading its heads and intermediate slice
+    out of every part, each stage its layers; LongRoPE and partial rope as Phi-4-mini."""
+    folder = tiny_model_factory("phi3", **phi3_longrope(MAX_MODEL_LEN))
+    with LLM(str(folder), max_model_len=MAX_MODEL_LEN, **CONFIGS[name]) as llm:
+        assert token_ids(llm, GREEDY) == hf_greedy(folder, [p["prompt_token_ids"] for p in prompts()], MAX_TOKENS)
 
 
 def test_pipeline_depth3_preemption_and_abort_in_flight(tiny_llama, single_rank_tokens):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -65,6 +66,22 @@ def test_bad_argument_is_a_clear_error(tiny_llama):
 def test_auto_tool_choice_needs_a_parser(tiny_llama):
     proc = _stepahead("serve", str(tiny_llama), "--host", "127.0.0.1", "--port", "0", "--enable-auto-tool-choice")
     assert proc.returncode == 2 and "--enable-auto-tool-choice requires --tool-call-parser" in proc.stdout + proc.stderr
+
+
+def test_unsupported_architecture_names_it_and_the_supported_list(tiny_llama, tmp_path):
+    import json
+    import shutil
+
+    folder = tmp_path / "gpt2"
+    shutil.copytree(tiny_llama, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "architectures": ["GPT2LMHeadModel"]}))
+    message = r"'GPT2LMHeadModel' is not supported \(supported: LlamaForCausalLM, .*Phi3ForCausalLM"
+    with pytest.raises(ValueError, match=message):
+        LLM(str(folder), executor="uni")
+    proc = _stepahead("serve", str(folder), "--host", "127.0.0.1", "--port", "0")
+    assert proc.returncode != 0
+    assert re.search(message, proc.stdout + proc.stderr), proc.stdout + proc.stderr
 
 
 def test_engine_failure_is_an_error_message_and_status_1(tiny_model_factory, tmp_path, capsys):

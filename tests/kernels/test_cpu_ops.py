@@ -14,11 +14,13 @@ from stepahead.models.llama import apply_rope
 pytestmark = pytest.mark.skipif(not cpu_build.machine_can_build(), reason="needs an AVX2 CPU and a C++ compiler")
 
 
-@pytest.mark.parametrize("tokens,heads,head_dim", [(1, 12, 64), (7, 5, 128), (65, 3, 20)])
-def test_rope_is_torchs_arithmetic_in_place(tokens, heads, head_dim):
+# rotary_dim < head_dim: Phi-4-mini's partial rope (96 of 128), the rest of each head passes through
+@pytest.mark.parametrize("tokens,heads,head_dim,rotary_dim", [(1, 12, 64, 64), (7, 5, 128, 128), (65, 3, 20, 20),
+                                                              (9, 4, 128, 96), (3, 2, 20, 12)])
+def test_rope_is_torchs_arithmetic_in_place(tokens, heads, head_dim, rotary_dim):
     torch.manual_seed(tokens)
     fused = torch.randn(tokens, heads + 2, head_dim)  # q and k heads, then a head that must stay as it is
-    cos_sin = torch.randn(tokens, 2, head_dim)
+    cos_sin = torch.randn(tokens, 2, rotary_dim)
     expected = apply_rope(fused[:, :heads], cos_sin[:, 0:1], cos_sin[:, 1:2])
     rotated = fused.clone()
     cpu_ops.rotary_embedding_(rotated[:, :heads], cos_sin)

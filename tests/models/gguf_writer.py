@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 
@@ -11,6 +12,31 @@ def _llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """What llama.cpp's converter does to Q/K rows (written independently for the test)."""
     hd = w.shape[0] // n_head
     return w.reshape(n_head, 2, hd // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+          "self_attn.o_proj": "attn_output", "input_layernorm": "attn_norm",
+          "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+          "mlp.down_proj": "ffn_down",
+          # Phi-3: the checkpoint's fused projections, kept fused (gate_up as llama.cpp's ffn_up)
+          "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+
+
+def _add_phi3_metadata(w, cfg: dict) -> None:
+    """What llama.cpp's converter writes for Phi3ForCausalLM beyond the Llama keys: the rotary
+    dimensions, the original context, the sliding window (0: none) and LongRoPE's factor tensors with
+    their attention factor."""
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+    original = cfg["original_max_position_embeddings"]
+    w.add_rope_scaling_orig_ctx_len(original)
+    w.add_sliding_window(cfg.get("sliding_window") or 0)
+    if rope.get("rope_type") == "longrope":
+        scale = cfg["max_position_embeddings"] / original
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+        w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
 
 
 def write_gguf(folder, path, quant: dict[str, str] | None = None):
@@ -24,7 +50,8 @@ def write_gguf(folder, path, quant: dict[str, str] | None = None):
 
     cfg = json.loads((folder / "config.json").read_text())
     sd = load_file(str(folder / "model.safetensors"))
-    w = gguf.GGUFWriter(str(path), "llama")
+    arch = "phi3" if cfg["architectures"] == ["Phi3ForCausalLM"] else "llama"
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
@@ -35,10 +62,13 @@ def write_gguf(folder, path, quant: dict[str, str] | None = None):
     w.add_rope_freq_base(10000.0)
     w.add_vocab_size(cfg["vocab_size"])
     w.add_eos_token_id(2)
-    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-             "self_attn.o_proj": "attn_output", "input_layernorm": "attn_norm",
-             "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down"}
+    if arch == "phi3":
+        _add_phi3_metadata(w, cfg)
+    elif (cfg.get("rope_parameters") or {}).get("rope_type") == "yarn":  # as llama.cpp's converter writes it
+        rope = cfg["rope_parameters"]
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     for name, t in sd.items():
         a = t.float().numpy()
         if name.startswith("model.layers."):
@@ -48,7 +78,7 @@ def write_gguf(folder, path, quant: dict[str, str] | None = None):
                 a = _llamacpp_permute(a, cfg["num_attention_heads"])
             elif base == "self_attn.k_proj":
                 a = _llamacpp_permute(a, cfg["num_key_value_heads"])
-            gname = f"blk.{i}.{names[base]}.{kind}"
+            gname = f"blk.{i}.{_NAMES[base]}.{kind}"
         else:
             gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                      "lm_head.weight": "output.weight"}[name]

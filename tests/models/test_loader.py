@@ -49,12 +49,16 @@ def test_bad_inputs(tiny_llama, tmp_path):
     (corrupt / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a header")
     with pytest.raises(ValueError, match="safetensors"):
         load_model_config(str(corrupt), "cpu")
-    yarn = _copy(tiny_llama, tmp_path / "yarn")
-    cfg = json.loads((yarn / "config.json").read_text())
-    cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
-    (yarn / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="rope_scaling type 'yarn'"):
-        load_model_config(str(yarn), "cpu")
+    ntk = _copy(tiny_llama, tmp_path / "ntk")
+    cfg = json.loads((ntk / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "ntk", "factor": 4.0, "rope_theta": 10000.0}
+    (ntk / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="rope_scaling type 'ntk' is not supported.*yarn, dynamic, longrope"):
+        load_model_config(str(ntk), "cpu")
+    cfg["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0}
+    (ntk / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="rope_scaling of type 'yarn' lacks the field 'factor'"):
+        load_model_config(str(ntk), "cpu")
     (tmp_path / "junk.gguf").write_bytes(b"GGUF garbage")
     with pytest.raises(ValueError, match="GGUF"):
         load_model_config(str(tmp_path / "junk.gguf"), "cpu")

@@ -109,7 +109,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 @needs_cuda
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "phi3"])
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
 def test_cuda_greedy_matches_transformers(references, arch, enforce_eager):
     """float32, as the reference: the fp32 kernels use full-precision dots (bf16 ids drift from fp32's)."""

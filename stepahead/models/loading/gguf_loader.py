@@ -2,6 +2,8 @@
 
 llama.cpp's converter permutes the rows of Q and K for Llama-style models (its RoPE pairs adjacent
 dimensions, HF checkpoints pair the two halves); we undo that so one model implementation serves both.
+Phi-3 files keep the checkpoint's fused attn_qkv and gate/up (as ffn_up) unpermuted, and LongRoPE's
+factors as the rope_factors_long/short tensors, which become the config's rope_scaling.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 from stepahead.models.loading.weights import WeightHandle
 
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                      "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                      "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 # Architectures whose converter permutes Q/K rows.
 PERMUTED_ARCHITECTURES = {"llama", "mistral"}
 
@@ -24,8 +26,10 @@ _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "attn_qkv": "self_attn.qkv_proj",
 }
+# Where an architecture's tensor of that kind holds something else: Phi-3's ffn_up is gate_up_proj.
+_ARCH_LAYER_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -83,9 +87,53 @@ def read_gguf_config(path: str) -> tuple[str, dict]:
     scaling = _field(reader, f"{arch}.rope.scaling.type")
     if scaling == "linear":
         cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(_field(reader, f"{arch}.rope.scaling.factor"))}
+    elif scaling == "yarn":
+        cfg["rope_scaling"] = _yarn_scaling(reader, arch, cfg["max_position_embeddings"])
     elif scaling not in (None, "none"):
         raise ValueError(f"GGUF rope scaling {scaling!r} is not supported")
+    if arch == "phi3":
+        cfg.update(_phi3_config(reader, cfg))
     return GGUF_ARCHITECTURES[arch], cfg
+
+
+def _yarn_scaling(reader, arch: str, context: int) -> dict:
+    """rope_scaling of a yarn file: its factor, original context and ramp bounds. DeepSeek's log
+    multiplier (the HF mscale pair) is refused rather than guessed."""
+    if _field(reader, f"{arch}.rope.scaling.yarn_log_multiplier"):
+        raise ValueError("GGUF yarn rope scaling with yarn_log_multiplier is not supported")
+    scaling = {"rope_type": "yarn", "factor": float(_field(reader, f"{arch}.rope.scaling.factor")),
+               "original_max_position_embeddings": int(_field(reader, f"{arch}.rope.scaling.original_context_length",
+                                                              context))}
+    for name in ("beta_fast", "beta_slow"):
+        value = _field(reader, f"{arch}.rope.scaling.yarn_{name}")
+        if value is not None:
+            scaling[name] = float(value)
+    return scaling
+
+
+def _phi3_config(reader, cfg: dict) -> dict:
+    """What a Phi-3 file adds: the rotary share of each head, the sliding window (0: none, as Phi-4
+    writes it), the original context, and LongRoPE from the factor tensors."""
+    extra: dict = {}
+    rope_dims = _field(reader, "phi3.rope.dimension_count")
+    if rope_dims is not None:
+        extra["partial_rotary_factor"] = int(rope_dims) / cfg["head_dim"]
+    window = int(_field(reader, "phi3.attention.sliding_window", 0) or 0)
+    extra["sliding_window"] = window or None
+    original = _field(reader, "phi3.rope.scaling.original_context_length")
+    if original is not None:
+        extra["original_max_position_embeddings"] = int(original)
+    factors = {t.name: t for t in reader.tensors if t.name.startswith("rope_factors_")}
+    if factors:
+        extra["rope_scaling"] = {
+            "rope_type": "longrope",
+            "long_factor": [float(x) for x in np.asarray(factors["rope_factors_long.weight"].data).reshape(-1)],
+            "short_factor": [float(x) for x in np.asarray(factors["rope_factors_short.weight"].data).reshape(-1)],
+        }
+        attn_factor = _field(reader, "phi3.rope.scaling.attn_factor")
+        if attn_factor is not None:
+            extra["rope_scaling"]["attention_factor"] = float(attn_factor)
+    return extra
 
 
 def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -105,10 +153,10 @@ def permuted_heads(name: str, cfg: dict) -> int | None:
     return None
 
 
-def hf_name(name: str) -> str | None:
+def hf_name(name: str, gguf_arch: str | None = None) -> str | None:
     parts = name.split(".")
     if parts[0] == "blk":
-        base = _LAYER_NAMES.get(parts[2])
+        base = _ARCH_LAYER_NAMES.get(gguf_arch or "", {}).get(parts[2]) or _LAYER_NAMES.get(parts[2])
         return None if base is None else f"model.layers.{parts[1]}.{base}.{parts[3]}"
     base = _GLOBAL_NAMES.get(parts[0])
     return None if base is None else f"{base}.{parts[1]}"
@@ -125,9 +173,9 @@ def iter_gguf_weight_handles(path: str, cfg: dict) -> Iterator[tuple[str, Weight
     when the model reads it, so a pipeline stage never reads the layers of other stages."""
     reader = open_reader(path)
     for t in reader.tensors:
-        name = hf_name(t.name)
+        name = hf_name(t.name, cfg.get("gguf_arch"))
         if name is None:
-            if t.name.startswith("rope_freqs"):
+            if t.name.startswith(("rope_freqs", "rope_factors_")):  # rope's own tables (read into the config)
                 continue
             raise ValueError(f"GGUF tensor {t.name!r} has no known mapping")
         shape = tuple(int(d) for d in reversed(t.shape))

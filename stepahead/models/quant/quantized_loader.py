@@ -71,6 +71,8 @@ def _source_weight(module_name: str, sources: dict[str, GroupQuantWeight]) -> Gr
     """The codes of a module from per-checkpoint-tensor codes (fusing parts), or None to keep it dense."""
     prefix, _, leaf = module_name.rpartition(".")
     hf_prefix = prefix if prefix.startswith("model.") else "model." + prefix
+    if f"{hf_prefix}.{leaf}.weight" in sources:  # fused in the checkpoint already (Phi-3)
+        return sources[f"{hf_prefix}.{leaf}.weight"]
     found = [sources.get(f"{hf_prefix}.{part}.weight") for part in FUSED_PARTS.get(leaf, (leaf,))]
     if any(w is None for w in found):
         return None
