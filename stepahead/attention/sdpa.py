@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
+from stepahead.attention import dense
 from stepahead.attention.paged_cache import LayerKV
 from stepahead.attention.rows import BatchRow, stage_block_table
 from stepahead.kernels import cpu_build, cpu_ops
@@ -67,9 +67,22 @@ class AttentionMetadata:
     prefills: list[PrefillRow] = field(default_factory=list)
     decode_kernel: bool = False  # every token runs stepahead's CPU kernel instead of SDPA
     prompt_tokens: bool = False  # with decode_kernel: some rows are prompt tokens
+    # The step's sliding-window masks, made by the first layer of each window and reused by the rest:
+    # (first token of the group or row, window) -> mask.
+    window_masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, scale: float) -> torch.Tensor:
-        return paged_attention(q, k, v, kv, self, scale)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, scale: float,
+               window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+        return paged_attention(q, k, v, kv, self, scale, window, softcap)
+
+    def windowed_mask(self, start: int, window: int, q_pos: torch.Tensor, num_keys: int,
+                      shape: tuple[int, ...]) -> torch.Tensor:
+        """The mask of the group or row beginning at token `start` under a window, shaped `shape`."""
+        mask = self.window_masks.get((start, window))
+        if mask is None:
+            mask = dense.visible_keys(q_pos, num_keys, window).view(shape)
+            self.window_masks[start, window] = mask
+        return mask
 
     def single_decode_group(self) -> DecodeGroup | None:
         """The step's only group when every row is a decode row for the kernel (what DecodeStack runs)."""
@@ -249,10 +262,15 @@ def _gather(kv: LayerKV, block_table: torch.Tensor, dtype: torch.dtype) -> tuple
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """q [T, heads, hd], k/v [T, kv_heads, hd] for the new tokens -> attention output [T, heads, hd].
 
     Writes the new K/V into the cache first, so every row reads its own new tokens from there too.
+    window and softcap as attention.paged_attention takes them. Under a window, SDPA's gathered keys
+    before it are masked: their weights are exactly 0, so the output holds nothing of them (the
+    cache's values are finite: a 16-bit cache refuses the rest, write_kv), and the kernel does not
+    read them at all.
     """
     k, v = write_kv(kv, k, v, meta.slot_mapping)
     num_tokens, num_heads, hd = q.shape
@@ -262,21 +280,30 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Layer
     for g in meta.decode_groups:
         if meta.decode_kernel:
             cpu_ops.paged_decode_attention(q[g.start:g.end], kv.k_cache, kv.v_cache, g.block_table, g.seq_lens,
-                                           scale, out[g.start:g.end])
+                                           scale, out[g.start:g.end], window, softcap)
             continue
         # Grouped-query trick: the `group` query heads that share a KV head become `group` query rows,
         # so no K/V repeat is needed. SDPA sees kv heads as its batch and rows as its heads.
         nd = g.end - g.start
         kd, vd = _gather(kv, g.block_table, q.dtype)
         qd = q[g.start:g.end].view(nd, nkv, group, hd).transpose(0, 1)
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale)
+        mask = g.mask
+        if window is not None:
+            num_keys = kd.shape[2]
+            mask = meta.windowed_mask(g.start, window, g.seq_lens - 1, num_keys, (1, nd, 1, num_keys))
+        o = dense.attend(qd, kd, vd, mask, scale, softcap)
         out[g.start:g.end] = o.transpose(0, 1).reshape(nd, num_heads, hd)
     for first, count in _fresh_runs(meta.prefills):
         # prompts of the same length with nothing cached, side by side in the batch: one causal call
         start, n = first.start, first.end - first.start
         end = start + count * n
         qp, kp, vp = (x[start:end].view(count, n, -1, hd).transpose(1, 2) for x in (q, k, v))
-        o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=group > 1)
+        if window is None or window >= n:  # the window reaches every earlier new token: plain causal
+            o = dense.attend(qp, kp, vp, None, scale, softcap, is_causal=True, enable_gqa=group > 1)
+        else:
+            positions = torch.arange(n, device=q.device)
+            mask = meta.windowed_mask(start, window, positions, n, (n, n))
+            o = dense.attend(qp, kp, vp, mask, scale, softcap, enable_gqa=group > 1)
         out[start:end] = o.transpose(1, 2).reshape(end - start, num_heads, hd)
     for row in meta.prefills:
         if row.block_table is not None:
@@ -286,7 +313,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Layer
             total = row.context_len + n
             kp = kc[:, :, :total].transpose(0, 1)  # [1, kv_heads, total, hd]
             vp = vc[:, :, :total].transpose(0, 1)
-            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=row.mask, scale=scale, enable_gqa=group > 1)
+            mask = row.mask
+            if window is not None:
+                positions = torch.arange(row.context_len, total, device=q.device)
+                mask = meta.windowed_mask(row.start, window, positions, total, (1, 1, n, total))
+            o = dense.attend(qp, kp, vp, mask, scale, softcap, enable_gqa=group > 1)
             out[row.start:row.end] = o[0].transpose(0, 1)
     return out
 

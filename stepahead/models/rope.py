@@ -53,6 +53,14 @@ def rope_inv_freq(args: RopeArgs) -> torch.Tensor:
     return inv
 
 
+def rope_table(args: RopeArgs, max_positions: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """[max_positions, 2, head_dim]: each position's cos and sin rows (computed in float64)."""
+    pos = torch.arange(max_positions, dtype=torch.float64)
+    freqs = torch.outer(pos, rope_inv_freq(args))
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return torch.stack((emb.cos(), emb.sin()), dim=1).to(dtype=dtype, device=device)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, heads, hd]; cos/sin [T, 1, hd] (rotate-half convention, as in HF checkpoints)."""
     half = x.shape[-1] // 2

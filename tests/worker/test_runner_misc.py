@@ -58,12 +58,14 @@ def test_bfloat16_runs_and_mostly_agrees(tiny_llama):
     assert outs["bfloat16"][0] == outs["float32"][0]
 
 
-def test_mistral_sliding_window_caps_context(tiny_model_factory, tmp_path):
+def test_mistral_sliding_window_keeps_the_full_context(tiny_model_factory, tmp_path):
     folder = shutil.copytree(tiny_model_factory("mistral"), tmp_path / "mistral-sw")
     cfg = json.loads((folder / "config.json").read_text())
     cfg["sliding_window"] = 64
     (folder / "config.json").write_text(json.dumps(cfg))
-    assert load_model_config(str(folder), "cpu").max_model_len == 64
+    config = load_model_config(str(folder), "cpu")
+    assert config.max_model_len == cfg["max_position_embeddings"]
+    assert config.sliding_windows == (64, 64)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -1,0 +1,104 @@
+"""Sliding-window and soft-capped attention on the CPU paths (SDPA and stepahead's kernel) against a
+float64 reference over the cache's values, through the real staging and metadata path; and a layer's
+output holds nothing of the blocks wholly before its window (another request may hold them by then)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stepahead.attention.paged_cache import PagedKVCache
+from stepahead.attention.rows import BatchRow
+from stepahead.attention.sdpa import SdpaBackend, paged_attention
+from stepahead.kernels import cpu_build
+from stepahead.worker.staging import StagingBuffer
+
+HEADS, KV_HEADS = 6, 2
+MAX_BLOCKS = 64
+needs_kernels = pytest.mark.skipif(not cpu_build.machine_can_build(), reason="needs an AVX2 CPU and a C++ compiler")
+PATHS = [pytest.param(False, id="sdpa"), pytest.param(True, id="kernel", marks=needs_kernels)]
+
+
+def _attend(q, k, v, cache, rows, decode_kernel, block_size, window, softcap, scale):
+    staging = StagingBuffer(8192, torch.device("cpu"))
+    backend = SdpaBackend(block_size, MAX_BLOCKS, torch.arange(MAX_BLOCKS * block_size + 64), decode_kernel)
+    staged = backend.stage(rows, sum(row.num_new_tokens == 1 for row in rows), staging)
+    slots, offset = staging.alloc(q.shape[0])
+    for row in rows:
+        for i in range(row.num_new_tokens):
+            pos = row.num_computed_tokens + i
+            slots[row.start + i] = row.block_ids[pos // block_size] * block_size + pos % block_size
+    meta = backend.finish(staged, staging.view(offset, q.shape[0]), staging)
+    return paged_attention(q, k, v, cache.layer(0), meta, scale, window, softcap)
+
+
+def _reference(q, cache, rows, block_size, window, softcap, scale):
+    """float64 attention of every new token over the keys in its window, read from the cache."""
+    out = torch.empty(q.shape, dtype=torch.float64)
+    group = HEADS // KV_HEADS
+    for row in rows:
+        total = row.num_computed_tokens + row.num_new_tokens
+        pos = torch.arange(total)
+        blocks = torch.tensor(row.block_ids)[pos // block_size]
+        keys = cache.k[0][:, blocks, pos % block_size].double().repeat_interleave(group, 0)  # [heads, total, hd]
+        values = cache.v[0][:, blocks, pos % block_size].double().repeat_interleave(group, 0)
+        for i in range(row.num_new_tokens):
+            p = row.num_computed_tokens + i
+            lo = 0 if window is None else max(0, p - window + 1)
+            scores = (q[row.start + i].double().unsqueeze(1) @ keys[:, lo:p + 1].transpose(1, 2)).squeeze(1) * scale
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
+            out[row.start + i] = (torch.softmax(scores, -1).unsqueeze(1) @ values[:, lo:p + 1]).squeeze(1)
+    return out
+
+
+def _batch(block_size, head_dim, seed):
+    """Decode rows of several lengths, a prompt after a cached prefix, two fresh prompts of one length
+    (one SDPA call) and a longer fresh one, each request on scattered blocks."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(1, 0), (1, 6), (1, 40), (1, 77), (9, 31), (12, 0), (12, 0), (30, 0)]  # (new, cached)
+    need = [-(-(n + c) // block_size) for n, c in shapes]
+    order = (torch.randperm(sum(need) + 4, generator=g) + 1).tolist()
+    rows, start = [], 0
+    for (n, c), b in zip(shapes, need, strict=True):
+        rows.append(BatchRow(start, n, c, order[:b]))
+        order, start = order[b:], start + n
+    cache = PagedKVCache(1, sum(need) + 6, block_size, KV_HEADS, head_dim, torch.float32, "cpu")
+    cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=g))
+    cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=g))
+    qkv = torch.randn(start, HEADS + 2 * KV_HEADS, head_dim, generator=g) * 2
+    q, k, v = qkv.split([HEADS, KV_HEADS, KV_HEADS], dim=1)
+    return rows, cache, q, k, v
+
+
+@pytest.mark.parametrize("decode_kernel", PATHS)
+@pytest.mark.parametrize("block_size,head_dim", [(16, 64), (8, 32), (5, 12)])
+@pytest.mark.parametrize("window,softcap", [(7, None), (16, None), (1, None), (None, 3.0), (10, 2.0), (100, None)])
+def test_window_and_softcap_match_float64(decode_kernel, block_size, head_dim, window, softcap):
+    rows, cache, q, k, v = _batch(block_size, head_dim, seed=block_size * 100 + head_dim)
+    scale = head_dim ** -0.5
+    out = _attend(q, k, v, cache, rows, decode_kernel, block_size, window, softcap, scale)
+    torch.testing.assert_close(out.double(), _reference(q, cache, rows, block_size, window, softcap, scale),
+                               rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("decode_kernel", PATHS)
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_blocks_before_the_window_are_not_in_the_output(decode_kernel, block_size):
+    """Overwrite every block that holds only keys before all of a request's windows (blocks the engine
+    may hand to another request): each output is bitwise unchanged. The kernel never reads them, so
+    even NaN there changes nothing; SDPA masks them, which needs them finite (a cache holds only
+    finite values)."""
+    rows, cache, q, k, v = _batch(block_size, 64, seed=block_size)
+    window = 10
+    _attend(q, k, v, cache, rows, decode_kernel, block_size, window, None, 0.125)  # the new K/V in the cache
+    before = _attend(q, k, v, cache, rows, decode_kernel, block_size, window, None, 0.125)
+    for row in rows:
+        first_key = max(0, row.num_computed_tokens - window + 1)
+        for b in row.block_ids[:first_key // block_size]:
+            fill = float("nan") if decode_kernel else 1e4
+            cache.k[0][:, b].fill_(fill)
+            cache.v[0][:, b].fill_(fill)
+    # the new tokens' K/V go to the cache again, into blocks inside the window (unchanged)
+    after = _attend(q, k, v, cache, rows, decode_kernel, block_size, window, None, 0.125)
+    assert torch.equal(before, after)
