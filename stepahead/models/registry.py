@@ -48,12 +48,21 @@ class ModelFamily:
 
 
 def _families() -> tuple[ModelFamily, ...]:
-    from stepahead.models import llama
+    from stepahead.models import gemma, llama
 
     return (
         ModelFamily("Llama", llama.SUPPORTED_ARCHITECTURES, llama.LlamaArgs.from_hf_config,
                     llama.LlamaForCausalLM, llama.check_parallel_sizes),
+        ModelFamily("Gemma", gemma.SUPPORTED_ARCHITECTURES, gemma.GemmaArgs.from_hf_config,
+                    gemma.GemmaForCausalLM, llama.check_parallel_sizes),
     )
+
+
+# Architectures refused with a reason of their own (a text family serves their checkpoints' text part).
+REFUSED = {
+    "Gemma3ForConditionalGeneration": "the multimodal Gemma 3 (text and images) is not supported; "
+                                      "its text-only checkpoints (Gemma3ForCausalLM) are",
+}
 
 
 def supported_architectures() -> tuple[str, ...]:
@@ -65,6 +74,8 @@ def family_of(architecture: str | None) -> ModelFamily:
     for family in _families():
         if architecture in family.architectures:
             return family
+    if architecture in REFUSED:
+        raise ValueError(f"model architecture {architecture!r}: {REFUSED[architecture]}")
     raise ValueError(f"model architecture {architecture!r} is not supported (supported: "
                      f"{', '.join(supported_architectures())})")
 

@@ -12,6 +12,7 @@ import pytest
 from stepahead import LLM, SamplingParams
 from stepahead.bench.plot import lanes_of
 from tests.distributed.conftest import GREEDY, MAX_MODEL_LEN, SEEDED, prompts, token_ids
+from tests.tiny_models import GEMMA_ARCHS, hf_greedy
 
 CONFIGS = {
     "tp2": dict(tensor_parallel_size=2),  # async, depth 2
@@ -76,3 +77,13 @@ def test_pipeline_depth3_preemption_and_abort_in_flight(tiny_llama, single_rank_
         assert list(lanes) == ["engine", "stage 0", "stage 1"]
         assert {"forward", "send_hidden"} <= {e.name for e in lanes["stage 0"]}
         assert {"wait_hidden", "forward", "sample"} <= {e.name for e in lanes["stage 1"]}
+
+
+@pytest.mark.parametrize("arch", GEMMA_ARCHS)
+def test_gemma_tensor_parallel_matches_transformers(tiny_model_factory, arch):
+    """Two ranks of a Gemma model (each with half the heads of a windowed and a global layer, soft
+    caps applied to whole rows once gathered) give transformers' greedy ids."""
+    folder = tiny_model_factory(arch)
+    with LLM(str(folder), max_model_len=MAX_MODEL_LEN, tensor_parallel_size=2) as llm:
+        got = token_ids(llm, GREEDY)
+    assert got == hf_greedy(folder, [p["prompt_token_ids"] for p in prompts()], GREEDY.max_tokens)

@@ -19,7 +19,7 @@ def iter_gguf_quantized(path: str, cfg: dict) -> Iterator[tuple[str, GroupQuantW
     """(HF name, codes) for every Q4_0/Q4_1/Q8_0 tensor of a GGUF file, Q/K rows un-permuted."""
     reader = gguf_loader.open_reader(path)
     for t in reader.tensors:
-        name = gguf_loader.hf_name(t.name)
+        name = gguf_loader.hf_name(t.name, cfg.get("gguf_arch"))
         if name is None or t.tensor_type.name not in GGUF_QUANT_TYPES:
             continue
         shape = tuple(int(d) for d in reversed(t.shape))
