@@ -9,27 +9,12 @@ import torch
 
 from stepahead.attention.paged_cache import PagedKVCache
 from stepahead.attention.rows import BatchRow
-from stepahead.attention.sdpa import SdpaBackend, paged_attention
 from stepahead.kernels import cpu_build
-from stepahead.worker.staging import StagingBuffer
+from tests.attention.staged import attend_staged
 
 HEADS, KV_HEADS = 6, 2
-MAX_BLOCKS = 64
 needs_kernels = pytest.mark.skipif(not cpu_build.machine_can_build(), reason="needs an AVX2 CPU and a C++ compiler")
 PATHS = [pytest.param(False, id="sdpa"), pytest.param(True, id="kernel", marks=needs_kernels)]
-
-
-def _attend(q, k, v, cache, rows, decode_kernel, block_size, window, softcap, scale):
-    staging = StagingBuffer(8192, torch.device("cpu"))
-    backend = SdpaBackend(block_size, MAX_BLOCKS, torch.arange(MAX_BLOCKS * block_size + 64), decode_kernel)
-    staged = backend.stage(rows, sum(row.num_new_tokens == 1 for row in rows), staging)
-    slots, offset = staging.alloc(q.shape[0])
-    for row in rows:
-        for i in range(row.num_new_tokens):
-            pos = row.num_computed_tokens + i
-            slots[row.start + i] = row.block_ids[pos // block_size] * block_size + pos % block_size
-    meta = backend.finish(staged, staging.view(offset, q.shape[0]), staging)
-    return paged_attention(q, k, v, cache.layer(0), meta, scale, window, softcap)
 
 
 def _reference(q, cache, rows, block_size, window, softcap, scale):
@@ -77,7 +62,7 @@ def _batch(block_size, head_dim, seed):
 def test_window_and_softcap_match_float64(decode_kernel, block_size, head_dim, window, softcap):
     rows, cache, q, k, v = _batch(block_size, head_dim, seed=block_size * 100 + head_dim)
     scale = head_dim ** -0.5
-    out = _attend(q, k, v, cache, rows, decode_kernel, block_size, window, softcap, scale)
+    out = attend_staged(q, k, v, cache, rows, decode_kernel, block_size, scale, window, softcap)
     torch.testing.assert_close(out.double(), _reference(q, cache, rows, block_size, window, softcap, scale),
                                rtol=2e-5, atol=2e-5)
 
@@ -91,8 +76,8 @@ def test_blocks_before_the_window_are_not_in_the_output(decode_kernel, block_siz
     finite values)."""
     rows, cache, q, k, v = _batch(block_size, 64, seed=block_size)
     window = 10
-    _attend(q, k, v, cache, rows, decode_kernel, block_size, window, None, 0.125)  # the new K/V in the cache
-    before = _attend(q, k, v, cache, rows, decode_kernel, block_size, window, None, 0.125)
+    attend_staged(q, k, v, cache, rows, decode_kernel, block_size, 0.125, window)  # the new K/V in the cache
+    before = attend_staged(q, k, v, cache, rows, decode_kernel, block_size, 0.125, window)
     for row in rows:
         first_key = max(0, row.num_computed_tokens - window + 1)
         for b in row.block_ids[:first_key // block_size]:
@@ -100,5 +85,5 @@ def test_blocks_before_the_window_are_not_in_the_output(decode_kernel, block_siz
             cache.k[0][:, b].fill_(fill)
             cache.v[0][:, b].fill_(fill)
     # the new tokens' K/V go to the cache again, into blocks inside the window (unchanged)
-    after = _attend(q, k, v, cache, rows, decode_kernel, block_size, window, None, 0.125)
+    after = attend_staged(q, k, v, cache, rows, decode_kernel, block_size, 0.125, window)
     assert torch.equal(before, after)
