@@ -79,11 +79,13 @@ def test_pipeline_depth3_preemption_and_abort_in_flight(tiny_llama, single_rank_
         assert {"wait_hidden", "forward", "sample"} <= {e.name for e in lanes["stage 1"]}
 
 
+@pytest.mark.parametrize("name", ["tp2", "pp2_async"])
 @pytest.mark.parametrize("arch", GEMMA_ARCHS)
-def test_gemma_tensor_parallel_matches_transformers(tiny_model_factory, arch):
-    """Two ranks of a Gemma model (each with half the heads of a windowed and a global layer, soft
-    caps applied to whole rows once gathered) give transformers' greedy ids."""
+def test_gemma_parallel_matches_transformers(tiny_model_factory, arch, name):
+    """Two ranks of a Gemma model give transformers' greedy ids: each with half the heads of a
+    windowed and a global layer (the caps applied to whole rows once gathered), or one layer each
+    (the windowed layer on the first stage, the global one and the tied head on the second)."""
     folder = tiny_model_factory(arch)
-    with LLM(str(folder), max_model_len=MAX_MODEL_LEN, tensor_parallel_size=2) as llm:
+    with LLM(str(folder), max_model_len=MAX_MODEL_LEN, **CONFIGS[name]) as llm:
         got = token_ids(llm, GREEDY)
     assert got == hf_greedy(folder, [p["prompt_token_ids"] for p in prompts()], GREEDY.max_tokens)
