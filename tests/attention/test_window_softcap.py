@@ -4,6 +4,8 @@ output holds nothing of the blocks wholly before its window (another request may
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -70,10 +72,8 @@ def test_window_and_softcap_match_float64(decode_kernel, block_size, head_dim, w
 @pytest.mark.parametrize("decode_kernel", PATHS)
 @pytest.mark.parametrize("block_size", [8, 16])
 def test_blocks_before_the_window_are_not_in_the_output(decode_kernel, block_size):
-    """Overwrite every block that holds only keys before all of a request's windows (blocks the engine
-    may hand to another request): each output is bitwise unchanged. The kernel never reads them, so
-    even NaN there changes nothing; SDPA masks them, which needs them finite (a cache holds only
-    finite values)."""
+    """NaN in every block that holds only keys before all of a request's windows (blocks the engine
+    may hand to another request): each output is bitwise unchanged, neither path reads them."""
     rows, cache, q, k, v = _batch(block_size, 64, seed=block_size)
     window = 10
     attend_staged(q, k, v, cache, rows, decode_kernel, block_size, 0.125, window)  # the new K/V in the cache
@@ -81,9 +81,21 @@ def test_blocks_before_the_window_are_not_in_the_output(decode_kernel, block_siz
     for row in rows:
         first_key = max(0, row.num_computed_tokens - window + 1)
         for b in row.block_ids[:first_key // block_size]:
-            fill = float("nan") if decode_kernel else 1e4
-            cache.k[0][:, b].fill_(fill)
-            cache.v[0][:, b].fill_(fill)
+            cache.k[0][:, b].fill_(float("nan"))
+            cache.v[0][:, b].fill_(float("nan"))
     # the new tokens' K/V go to the cache again, into blocks inside the window (unchanged)
     after = attend_staged(q, k, v, cache, rows, decode_kernel, block_size, 0.125, window)
     assert torch.equal(before, after)
+
+
+@pytest.mark.parametrize("decode_kernel", PATHS)
+def test_a_windowed_rows_attention_does_not_depend_on_its_batch(decode_kernel):
+    """Under a window each row still reads what it reads alone (SDPA: a table width fixed by its own
+    padded width and the window), so its output bits are the same in any batch."""
+    rows, cache, q, k, v = _batch(16, 64, seed=7)
+    together = attend_staged(q, k, v, cache, rows, decode_kernel, 16, 0.125, 20, 4.0)
+    for row in rows:
+        span = slice(row.start, row.start + row.num_new_tokens)
+        alone = attend_staged(q[span], k[span], v[span], cache,
+                              [dataclasses.replace(row, start=0)], decode_kernel, 16, 0.125, 20, 4.0)
+        assert torch.equal(alone, together[span]), row
