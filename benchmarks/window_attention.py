@@ -8,25 +8,13 @@ windowed row reads only its window's blocks) and the cost of a logit cap, at Gem
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+from prompt_attention import median_ms  # beside this script (its folder is on the path when run)
 
 from stepahead.kernels import cpu_ops
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 8, 4, 256, 16
-
-
-def _median_ms(fn, repeats: int = 15) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 def main() -> None:
@@ -45,7 +33,7 @@ def main() -> None:
     print(f"{args.rows} rows of {args.context} keys, {args.threads} threads")
     print("window   softcap   ms per layer")
     for window, softcap in ((None, None), (None, 50.0), (args.context // 4, None), (args.context // 16, 50.0)):
-        ms = _median_ms(lambda w=window, c=softcap: cpu_ops.paged_decode_attention(
+        ms = median_ms(lambda w=window, c=softcap: cpu_ops.paged_decode_attention(
             q, k_cache, v_cache, table, lens, HEAD_DIM ** -0.5, out, w, c))
         print(f"{window or 'none':>6}   {softcap or 'none':>7}   {ms:8.3f}")
 
