@@ -17,7 +17,9 @@ def _attend_key_tile(acc, m_i, l_i, start, q, q_pos, kv_begin, kv_end, qk_scale,
     query's; under a WINDOW also > each query's - window). Keys outside [kv_begin, kv_end) are never
     loaded: with a window, their blocks may belong to another request by now."""
     pos = start + offs_n
-    pos_ok = (pos < kv_end) & (pos >= kv_begin)
+    pos_ok = pos < kv_end
+    if WINDOW:
+        pos_ok = pos_ok & (pos >= kv_begin)
     # int64: block * stride overflows int32 on large caches. K and V share their strides, so the one
     # 64-bit offset per key serves both (two cost ~30 registers a thread).
     block = tl.load(block_table_row + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
