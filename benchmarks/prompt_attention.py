@@ -20,7 +20,7 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 SHAPES = [(32, 64), (8, 256), (1, 512), (4, 512), (1, 2048)]  # (prompts, tokens each)
 
 
-def _median_ms(fn, repeats: int = 15) -> float:
+def median_ms(fn, repeats: int = 15) -> float:
     for _ in range(3):
         fn()
     times = []
@@ -50,7 +50,7 @@ def measure(prompts: int, tokens: int) -> tuple[float, float]:
         qp, kp, vp = (x.view(prompts, tokens, -1, HEAD_DIM).transpose(1, 2) for x in (q, k, v))
         F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True)
 
-    return _median_ms(kernel), _median_ms(sdpa)
+    return median_ms(kernel), median_ms(sdpa)
 
 
 def main() -> None:

@@ -20,6 +20,7 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 VOCAB_SIZE = 2048
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+GEMMA_ARCHS = ("gemma2", "gemma3")
 
 
 def _training_text() -> list[str]:
@@ -71,7 +72,7 @@ def tiny_config(arch: str = "llama", **overrides):
     if arch == "llama":
         return transformers.LlamaConfig(**common)
     if arch == "mistral":
-        return transformers.MistralConfig(sliding_window=None, **common)
+        return transformers.MistralConfig(**{"sliding_window": None, **common})
     if arch == "qwen2":
         return transformers.Qwen2Config(**common)
     if arch == "qwen3":
@@ -80,6 +81,8 @@ def tiny_config(arch: str = "llama", **overrides):
         common.setdefault("partial_rotary_factor", 0.75)
         common.setdefault("sliding_window", None)
         return transformers.Phi3Config(**common)
+    if arch in GEMMA_ARCHS:
+        return _gemma_config(arch, common)
     raise ValueError(f"unknown tiny arch {arch!r}")
 
 
@@ -95,6 +98,41 @@ def phi3_longrope(original: int = 128) -> dict:
     return dict(rope_parameters=rope, original_max_position_embeddings=original, max_position_embeddings=4 * original)
 
 
+def _gemma_config(arch: str, common: dict):
+    """A windowed layer then a global one; a window shorter than the test prompts, and an attention
+    logit cap that bites once _sharpen has made the scores large."""
+    import transformers
+
+    gemma = dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=8, tie_word_embeddings=True,
+                 hidden_activation="gelu_pytorch_tanh")
+    gemma.update(common)
+    gemma["tie_word_embeddings"] = True  # as Gemma checkpoints are
+    if arch == "gemma2":
+        gemma.setdefault("attn_logit_softcapping", 1.5)
+        gemma.setdefault("final_logit_softcapping", 3.0)
+        return transformers.Gemma2Config(**gemma)
+    gemma.setdefault("rope_parameters", {
+        "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1_000_000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    })
+    gemma.setdefault("layer_types", ["sliding_attention", "full_attention"] * (gemma["num_hidden_layers"] // 2))
+    gemma.setdefault("final_logit_softcapping", 3.0)
+    return transformers.Gemma3TextConfig(**gemma)
+
+
+def _sharpen(model) -> None:
+    """Gemma's norm weights are offsets from 1 and start at 0: draw them, and scale q and k up, so
+    that (1 + w), the logit caps and the window each change the greedy ids when got wrong."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(0.0, 0.3)
+            elif "q_proj" in name or "k_proj" in name:
+                p.mul_(8.0)
+
+
 def build_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
     """Save a tiny random model of the given family, with the local tokenizer, into folder."""
     import torch
@@ -105,6 +143,8 @@ def build_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **overrid
         return folder
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(tiny_config(arch, **overrides), dtype=torch.float32)
+    if arch in GEMMA_ARCHS:
+        _sharpen(model)
     model.save_pretrained(folder)
     write_tokenizer(folder)
     return folder

@@ -14,6 +14,11 @@ from stepahead.attention.paged_cache import LayerKV
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, metadata,
-                    scale: float) -> torch.Tensor:
-    """q [T, heads, hd], k/v [T, kv_heads, hd] for the step's new tokens -> attention output [T, heads, hd]."""
-    return metadata.attend(q, k, v, kv, scale)
+                    scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """q [T, heads, hd], k/v [T, kv_heads, hd] for the step's new tokens -> attention output [T, heads, hd].
+
+    window: the layer's attention window (a token attends to itself and the window - 1 tokens before
+    it; None: to its whole context); keys before it are never read into the output, so the blocks
+    that hold only such keys may be gone. softcap: scores become softcap * tanh(score / softcap)
+    before the softmax (None: as they are)."""
+    return metadata.attend(q, k, v, kv, scale, window, softcap)

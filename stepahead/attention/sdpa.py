@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
+from stepahead.attention import dense, windowed
 from stepahead.attention.paged_cache import LayerKV
 from stepahead.attention.rows import BatchRow, stage_block_table
 from stepahead.kernels import cpu_build, cpu_ops
@@ -67,9 +67,21 @@ class AttentionMetadata:
     prefills: list[PrefillRow] = field(default_factory=list)
     decode_kernel: bool = False  # every token runs stepahead's CPU kernel instead of SDPA
     prompt_tokens: bool = False  # with decode_kernel: some rows are prompt tokens
+    # What each group or row reads under a window, made by the first layer of that window and reused
+    # by the others: (first token of the group or row, window) -> its blocks and mask.
+    windows: dict[tuple[int, int], windowed.WindowedKeys] = field(default_factory=dict)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, scale: float) -> torch.Tensor:
-        return paged_attention(q, k, v, kv, self, scale)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, scale: float,
+               window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+        return paged_attention(q, k, v, kv, self, scale, window, softcap)
+
+    def windowed(self, start: int, window: int, make, *args) -> windowed.WindowedKeys:
+        """What the group or row beginning at token `start` reads under `window`: make(*args) the
+        first time."""
+        keys = self.windows.get((start, window))
+        if keys is None:
+            keys = self.windows[start, window] = make(*args)
+        return keys
 
     def single_decode_group(self) -> DecodeGroup | None:
         """The step's only group when every row is a decode row for the kernel (what DecodeStack runs)."""
@@ -249,10 +261,14 @@ def _gather(kv: LayerKV, block_table: torch.Tensor, dtype: torch.dtype) -> tuple
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """q [T, heads, hd], k/v [T, kv_heads, hd] for the new tokens -> attention output [T, heads, hd].
 
     Writes the new K/V into the cache first, so every row reads its own new tokens from there too.
+    window and softcap as attention.paged_attention takes them. Under a window a row gathers only the
+    blocks its window's keys lie in (attention/windowed.py), the keys of them before the window
+    masked; the kernel likewise starts at the window's first block.
     """
     k, v = write_kv(kv, k, v, meta.slot_mapping)
     num_tokens, num_heads, hd = q.shape
@@ -262,31 +278,47 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Layer
     for g in meta.decode_groups:
         if meta.decode_kernel:
             cpu_ops.paged_decode_attention(q[g.start:g.end], kv.k_cache, kv.v_cache, g.block_table, g.seq_lens,
-                                           scale, out[g.start:g.end])
+                                           scale, out[g.start:g.end], window, softcap)
             continue
         # Grouped-query trick: the `group` query heads that share a KV head become `group` query rows,
         # so no K/V repeat is needed. SDPA sees kv heads as its batch and rows as its heads.
         nd = g.end - g.start
-        kd, vd = _gather(kv, g.block_table, q.dtype)
+        table, mask = g.block_table, g.mask
+        if window is not None:
+            # a width that depends on the group's (the row's own padded width) and the window alone
+            width = min(table.shape[1], padded_blocks(windowed.window_blocks(window, kv.k_cache.shape[2])))
+            keys = meta.windowed(g.start, window, windowed.decode_rows, g.block_table, g.seq_lens, window,
+                                 kv.k_cache.shape[2], width)
+            table, mask = keys.block_table, keys.mask
+        kd, vd = _gather(kv, table, q.dtype)
         qd = q[g.start:g.end].view(nd, nkv, group, hd).transpose(0, 1)
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale)
+        o = dense.attend(qd, kd, vd, mask, scale, softcap)
         out[g.start:g.end] = o.transpose(0, 1).reshape(nd, num_heads, hd)
     for first, count in _fresh_runs(meta.prefills):
         # prompts of the same length with nothing cached, side by side in the batch: one causal call
         start, n = first.start, first.end - first.start
         end = start + count * n
         qp, kp, vp = (x[start:end].view(count, n, -1, hd).transpose(1, 2) for x in (q, k, v))
-        o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=group > 1)
+        if window is None or window >= n:  # the window reaches every earlier new token: plain causal
+            o = dense.attend(qp, kp, vp, None, scale, softcap, is_causal=True, enable_gqa=group > 1)
+        else:
+            keys = meta.windowed(start, window, windowed.fresh_rows, n, window, q.device)
+            o = dense.attend(qp, kp, vp, keys.mask, scale, softcap, enable_gqa=group > 1)
         out[start:end] = o.transpose(1, 2).reshape(end - start, num_heads, hd)
     for row in meta.prefills:
         if row.block_table is not None:
             n = row.end - row.start
             qp = q[row.start:row.end].transpose(0, 1).unsqueeze(0)  # [1, heads, n, hd]
-            kc, vc = _gather(kv, row.block_table, q.dtype)
-            total = row.context_len + n
+            table, mask, first_key = row.block_table, row.mask, 0
+            if window is not None:
+                keys = meta.windowed(row.start, window, windowed.prefix_row, row.block_table, row.context_len, n,
+                                     window, kv.k_cache.shape[2])
+                table, mask, first_key = keys.block_table, keys.mask, keys.first_key
+            kc, vc = _gather(kv, table, q.dtype)
+            total = row.context_len + n - first_key  # the keys from first_key on
             kp = kc[:, :, :total].transpose(0, 1)  # [1, kv_heads, total, hd]
             vp = vc[:, :, :total].transpose(0, 1)
-            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=row.mask, scale=scale, enable_gqa=group > 1)
+            o = dense.attend(qp, kp, vp, mask, scale, softcap, enable_gqa=group > 1)
             out[row.start:row.end] = o[0].transpose(0, 1)
     return out
 

@@ -114,6 +114,17 @@ def variants(full: bool) -> Iterator[Variant]:
                 (launch,) = triton_paged.attention_launches(q, k_cache, v_cache, max_query_len=40, scale=1.0,
                                                            out=out, **meta)
                 yield Variant(f"prefill {base}", launch)
+                if full or (dtype_name, head_dim, block_size) == ("bf16", 128, 16):
+                    # Gemma's layers: a sliding window and soft-capped logits (other constexprs)
+                    (launch,) = triton_paged.attention_launches(q, k_cache, v_cache, max_query_len=40, scale=1.0,
+                                                               out=out, window=32, softcap=50.0, **meta)
+                    yield Variant(f"prefill window softcap {base}", launch)
+                    q, k, v, k_cache, v_cache, meta = _batch(dtype, head_dim, block_size, 4, 1)
+                    out = torch.empty(q.shape, dtype=dtype)
+                    launches = triton_paged.attention_launches(q, k_cache, v_cache, max_query_len=1, scale=1.0,
+                                                               out=out, num_kv_splits=2, window=32, softcap=50.0,
+                                                               **meta)
+                    yield Variant(f"decode window softcap {base} splits2", launches[0])
             if full or dtype_name == "bf16":
                 yield from _fused_variants(dtype_name, dtype, head_dim)
 

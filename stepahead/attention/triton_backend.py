@@ -26,14 +26,15 @@ class TritonMetadata:
     max_query_len: int  # host-known: 1 selects the decode launch
     num_decode_rows: int = 0  # leading rows with one new token: a mixed step attends them with the decode launch
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, scale: float) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, scale: float,
+               window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         from stepahead.attention import triton_paged
 
         triton_paged.write_kv(k, v, kv.k_cache, kv.v_cache, self.slot_mapping)
         out = q.new_empty(q.shape)  # contiguous even when q is a view of the fused projection
         triton_paged.paged_attention(q, kv.k_cache, kv.v_cache, self.block_table, self.seq_lens,
                                      self.query_start_loc, max_query_len=self.max_query_len, scale=scale, out=out,
-                                     num_decode_rows=self.num_decode_rows)
+                                     num_decode_rows=self.num_decode_rows, window=window, softcap=softcap)
         return out
 
 

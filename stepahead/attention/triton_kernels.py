@@ -8,20 +8,36 @@ import triton.language as tl
 
 
 @triton.jit
-def _attend_key_tile(acc, m_i, l_i, start, q, q_pos, kv_end, qk_scale, block_table_row, k_head, v_head,
+def _attend_key_tile(acc, m_i, l_i, start, q, q_pos, kv_begin, kv_end, qk_scale, window, softcap,
+                     block_table_row, k_head, v_head,
                      stride_cb, stride_cs, stride_cd, offs_n, offs_d, d_ok,
-                     BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One online-softmax step over key positions start + offs_n (those < kv_end and <= each query's)."""
+                     BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr,
+                     SOFTCAP: tl.constexpr):
+    """One online-softmax step over key positions start + offs_n (those in [kv_begin, kv_end) and <= each
+    query's; under a WINDOW also > each query's - window). Keys outside [kv_begin, kv_end) are never
+    loaded: with a window, their blocks may belong to another request by now."""
     pos = start + offs_n
     pos_ok = pos < kv_end
+    if WINDOW:
+        pos_ok = pos_ok & (pos >= kv_begin)
     # int64: block * stride overflows int32 on large caches. K and V share their strides, so the one
     # 64-bit offset per key serves both (two cost ~30 registers a thread).
     block = tl.load(block_table_row + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
     key_offset = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs
     k = tl.load(k_head + key_offset[None, :] + offs_d[:, None] * stride_cd,
                 mask=pos_ok[None, :] & d_ok[:, None], other=0.0)
-    s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
-    s = tl.where(pos_ok[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+    s = tl.dot(q, k, input_precision=DOT_PRECISION)
+    if SOFTCAP:
+        # softcap * tanh(s * scale / softcap), tanh(x) = 1 - 2 / (e^2x + 1) (e^2x overflowing to inf gives 1);
+        # qk_scale here is the plain softmax scale, the log2(e) of exp2 applied after the cap.
+        x = s * (qk_scale / softcap)
+        s = (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * (softcap * 1.4426950408889634)
+    else:
+        s = s * qk_scale
+    visible = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+    if WINDOW:
+        visible = visible & (pos[None, :] > q_pos[:, None] - window)
+    s = tl.where(visible, s, float("-inf"))
 
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row with no visible key yet keeps max -inf; subtract 0 there so exp2 gives 0, not NaN.
@@ -36,11 +52,13 @@ def _attend_key_tile(acc, m_i, l_i, start, q, q_pos, kv_end, qk_scale, block_tab
 
 # num_rows, row_start, slot_start and the block table's width change every step: specialising on them
 # (Triton specialises ints equal to 1 or divisible by 16) would compile new variants while serving.
-@triton.jit(do_not_specialize=["num_rows", "row_start", "slot_start", "stride_bt"])
+@triton.jit(do_not_specialize=["num_rows", "row_start", "slot_start", "stride_bt", "window"])
 def paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
     split_acc_ptr, split_max_ptr, split_sum_ptr,  # split-KV scratch; unused when NUM_SPLITS == 1
-    qk_scale,  # softmax scale * log2(e): the kernel exponentiates with exp2
+    qk_scale,  # softmax scale * log2(e): the kernel exponentiates with exp2 (SOFTCAP: the plain scale)
+    window,  # WINDOW: a query at position p attends to keys p - window + 1 .. p
+    softcap,  # SOFTCAP: scores become softcap * tanh(score / softcap)
     num_rows,
     row_start, slot_start,  # general launch: its first row and that row's first tile slot (0, 0: all rows)
     stride_qt, stride_qh, stride_qd,
@@ -50,6 +68,7 @@ def paged_attention_kernel(
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DECODE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
+    WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
 ):
     kv_head = tl.program_id(1)
     if DECODE:
@@ -102,11 +121,15 @@ def paged_attention_kernel(
     k_head = k_cache_ptr + kv_head.to(tl.int64) * stride_ch
     v_head = v_cache_ptr + kv_head.to(tl.int64) * stride_ch
     kv_start = 0
+    if WINDOW:
+        # The tile's first query sees keys from its position - window + 1 on; the later ones from later.
+        kv_start = tl.maximum(context_len + q_tile * BLOCK_Q - window + 1, 0)
+    kv_begin = kv_start
     if NUM_SPLITS > 1:
         # This program's share of the keys: equal shares rounded up to whole key steps (some may be empty).
         split = tl.program_id(2)
-        share = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        kv_start = split * share
+        share = tl.cdiv(tl.cdiv(kv_end - kv_begin, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        kv_start = kv_begin + split * share
         kv_end = tl.minimum(kv_end, kv_start + share)
     if INTERPRETED:
         # Triton's interpreter cannot use a device value as a range() bound under NumPy >= 2.4; compiled
@@ -114,16 +137,16 @@ def paged_attention_kernel(
         start = kv_start
         while start < kv_end:
             acc, m_i, l_i = _attend_key_tile(
-                acc, m_i, l_i, start, q, q_pos, kv_end, qk_scale, block_table_row, k_head, v_head,
-                stride_cb, stride_cs, stride_cd, offs_n, offs_d, d_ok,
-                BLOCK_SIZE, DOT_PRECISION)
+                acc, m_i, l_i, start, q, q_pos, kv_begin, kv_end, qk_scale, window, softcap,
+                block_table_row, k_head, v_head, stride_cb, stride_cs, stride_cd, offs_n, offs_d, d_ok,
+                BLOCK_SIZE, DOT_PRECISION, WINDOW, SOFTCAP)
             start += BLOCK_N
     else:
         for start in range(kv_start, kv_end, BLOCK_N):
             acc, m_i, l_i = _attend_key_tile(
-                acc, m_i, l_i, start, q, q_pos, kv_end, qk_scale, block_table_row, k_head, v_head,
-                stride_cb, stride_cs, stride_cd, offs_n, offs_d, d_ok,
-                BLOCK_SIZE, DOT_PRECISION)
+                acc, m_i, l_i, start, q, q_pos, kv_begin, kv_end, qk_scale, window, softcap,
+                block_table_row, k_head, v_head, stride_cb, stride_cs, stride_cd, offs_n, offs_d, d_ok,
+                BLOCK_SIZE, DOT_PRECISION, WINDOW, SOFTCAP)
 
     if NUM_SPLITS > 1:
         # Scratch is [num_rows, num_heads, NUM_SPLITS] (+ [HEAD_DIM] for acc); empty shares store max -inf,

@@ -117,7 +117,8 @@ def _auto_kv_splits(q: torch.Tensor, num_rows: int, num_kv_heads: int, block_d: 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *, max_query_len: int,
                     scale: float, out: torch.Tensor, tiles: AttentionTiles | None = None,
-                    num_kv_splits: int | None = None, num_decode_rows: int = 0) -> torch.Tensor:
+                    num_kv_splits: int | None = None, num_decode_rows: int = 0, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """Attention of the new tokens q [num_tokens, heads, hd] over their rows' paged context; writes out.
 
     k_cache/v_cache [kv_heads, num_blocks, block_size, hd], same strides; block_table [rows, max_blocks]
@@ -127,11 +128,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     through the decode launch and only the rest through the general one (whose 64+-row tiles would
     waste most of their work on a one-token row). `tiles` overrides the launch parameters (the
     interpreter wants small ones). num_kv_splits sets the key shares of a decode launch (None: chosen
-    from its rows and the GPU). Returns out.
+    from its rows and the GPU). window: each token attends to itself and the window - 1 keys before it
+    (the blocks wholly before that are never read); softcap: scores become softcap * tanh(score /
+    softcap). Returns out.
     """
     for launch in attention_launches(q, k_cache, v_cache, block_table, seq_lens, query_start_loc,
                                      max_query_len=max_query_len, scale=scale, out=out, tiles=tiles,
-                                     num_kv_splits=num_kv_splits, num_decode_rows=num_decode_rows):
+                                     num_kv_splits=num_kv_splits, num_decode_rows=num_decode_rows,
+                                     window=window, softcap=softcap):
         launch.run()
     return out
 
@@ -139,7 +143,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 def attention_launches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                        seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *, max_query_len: int,
                        scale: float, out: torch.Tensor, tiles: AttentionTiles | None = None,
-                       num_kv_splits: int | None = None, num_decode_rows: int = 0) -> list[KernelLaunch]:
+                       num_kv_splits: int | None = None, num_decode_rows: int = 0, window: int | None = None,
+                       softcap: float | None = None) -> list[KernelLaunch]:
     """The launches paged_attention runs (same arguments), in order; allocates the split-KV scratch."""
     num_tokens = q.shape[0]
     num_rows = block_table.shape[0]
@@ -147,7 +152,8 @@ def attention_launches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         raise ValueError(f"k_cache and v_cache need the same strides, got {k_cache.stride()} and {v_cache.stride()}")
     if num_rows == 0 or num_tokens == 0:
         return []
-    plan = _LaunchPlan(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, out, tiles)
+    plan = _LaunchPlan(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, out, tiles, window,
+                       softcap)
     if max_query_len <= 1:
         return plan.decode(num_rows, num_kv_splits)
     launches = plan.decode(num_decode_rows, num_kv_splits) if num_decode_rows else []
@@ -167,6 +173,8 @@ class _LaunchPlan:
     scale: float
     out: torch.Tensor
     tiles: AttentionTiles | None
+    window: int | None = None
+    softcap: float | None = None
 
     def _tiles(self, decode: bool) -> AttentionTiles:
         if self.tiles is not None:
@@ -182,13 +190,16 @@ class _LaunchPlan:
         num_heads, head_dim = q.shape[1:]
         return KernelLaunch(paged_attention_kernel, grid, (
             q, k_cache, self.v_cache, out, self.block_table, self.seq_lens, self.query_start_loc, *scratch,
-            self.scale * math.log2(math.e), num_rows, row_start, slot_start,
+            # under a softcap the kernel caps the plain scaled scores, then takes log2(e)
+            self.scale if self.softcap is not None else self.scale * math.log2(math.e),
+            self.window or 0, self.softcap or 0.0, num_rows, row_start, slot_start,
             *q.stride(), *out.stride(), *k_cache.stride(), self.block_table.stride(0),
         ), dict(
             HEAD_DIM=head_dim, GROUP=num_heads // k_cache.shape[0], BLOCK_SIZE=k_cache.shape[2],
             BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=max(tiles.block_n, 16),
             BLOCK_D=max(triton.next_power_of_2(head_dim), 16),
             DECODE=decode, NUM_SPLITS=grid[2], INTERPRETED=_INTERPRETED,
+            WINDOW=self.window is not None, SOFTCAP=self.softcap is not None,
             # fp32 inputs: full-precision products (tf32 would lose ~3 digits); 16-bit inputs ignore this.
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             num_warps=tiles.num_warps, num_stages=tiles.num_stages,

@@ -7,17 +7,20 @@ logits from the model's own layers, with attention done by plain causal SDPA ins
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from stepahead.attention import dense
 
 
 class _CausalAttention:
-    """Step metadata for one sequence: its new tokens attend causally to each other only."""
+    """Step metadata for one sequence: its new tokens attend causally to each other only (within the
+    layer's window, scores soft-capped where the layer has a cap)."""
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv, scale: float) -> torch.Tensor:
-        groups = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                             is_causal=True, scale=scale)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv, scale: float,
+               window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+        n = q.shape[0]
+        mask = None if window is None else dense.visible_keys(torch.arange(n, device=q.device), n, window)
+        out = dense.attend(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), mask, scale, softcap,
+                           is_causal=mask is None, enable_gqa=q.shape[1] != k.shape[1])
         return out.transpose(0, 1).contiguous()
 
 

@@ -60,11 +60,15 @@ def round_to_bf16_(x: torch.Tensor) -> None:
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                           seq_lens: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+                           seq_lens: torch.Tensor, scale: float, out: torch.Tensor, window: int | None = None,
+                           softcap: float | None = None) -> None:
     """Attention of one new token per row over its seq_lens[row] keys in the head-major paged cache
     ([kv_heads, blocks, block_size, head_dim]), read through block_table [rows, width]; q [rows, heads,
-    head_dim] (any row and head strides), written to out (contiguous, shaped like q)."""
-    _op("paged_decode_attention")(q, k_cache, v_cache, block_table, seq_lens, scale, out)
+    head_dim] (any row and head strides), written to out (contiguous, shaped like q). window: only the
+    last `window` keys of each row (the blocks before them are never read); softcap: scores become
+    softcap * tanh(score / softcap)."""
+    _op("paged_decode_attention")(q, k_cache, v_cache, block_table, seq_lens, scale, out, window or 0,
+                                  softcap or 0.0)
 
 
 def write_kv_rows(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

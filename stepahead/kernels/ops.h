@@ -32,9 +32,11 @@ void round_to_bf16_(at::Tensor& x);
 // silu(gate) * up for gate_up [rows, 2 * features] holding gate then up in each row (silu_mul.cpp).
 at::Tensor silu_mul(const at::Tensor& gate_up);
 
-// One new token per row attending over its keys in the paged cache, into out (paged_decode.cpp).
+// One new token per row attending over its keys in the paged cache, into out (paged_decode.cpp);
+// window > 0: over its last `window` keys only; softcap > 0: scores capped by softcap * tanh(s / softcap).
 void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                            const at::Tensor& block_table, const at::Tensor& seq_lens, double scale, at::Tensor& out);
+                            const at::Tensor& block_table, const at::Tensor& seq_lens, double scale, at::Tensor& out,
+                            int64_t window, double softcap);
 
 // The new tokens' k and v [tokens, kv_heads, head_dim] (float32, unit stride within a head) into the
 // paged caches at slot_mapping [tokens], converted to the caches' type, and k and v rewritten in place

@@ -127,12 +127,12 @@ __attribute__((always_inline)) inline void add_weighted(__m256 (&sums)[G][4], co
 // value vector is widened once for the G heads; the sums run in token order, as one head at a time
 // would.
 template <int G, typename T, typename ValueAt>
-inline void weigh_values(const float* probs, int64_t padded, int64_t len, int64_t block_size, int64_t d0,
-                         const ValueAt& value_at, bool ask_ahead, float* acc, int64_t hd) {
+inline void weigh_values(const float* probs, int64_t padded, int64_t first_block, int64_t len, int64_t block_size,
+                         int64_t d0, const ValueAt& value_at, bool ask_ahead, float* acc, int64_t hd) {
   __m256 sums[G][4];
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < 4; ++i) sums[g][i] = _mm256_setzero_ps();
-  for (int64_t b = 0, t0 = 0; t0 < len; ++b, t0 += block_size) {
+  for (int64_t b = first_block, t0 = first_block * block_size; t0 < len; ++b, t0 += block_size) {
     const T* values = value_at(b) + d0;
     if (ask_ahead && t0 + block_size < len) prefetch(value_at(b + 1), block_size * hd);
     const int64_t end = std::min(len, t0 + block_size);
@@ -190,7 +190,11 @@ constexpr int64_t kValueSpan = 64;
 // [rows, width] int64, seq_lens [rows] int64 (keys per row, its new token included, already in the
 // cache), out [rows, heads, head_dim] contiguous.
 PagedDecode::PagedDecode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                         const at::Tensor& block_table, const at::Tensor& seq_lens, double scale, at::Tensor& out) {
+                         const at::Tensor& block_table, const at::Tensor& seq_lens, double scale, at::Tensor& out,
+                         int64_t window, double softcap) {
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: none), got ", window);
+  TORCH_CHECK(softcap >= 0, "softcap must be >= 0 (0: none), got ", softcap);
+  window_ = window, softcap_ = static_cast<float>(softcap);
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1,
               "q must be a float32 [rows, heads, head_dim] tensor with unit stride in head_dim");
   cache_type_ = k_cache.scalar_type();
@@ -221,7 +225,7 @@ PagedDecode::PagedDecode(const at::Tensor& q, const at::Tensor& k_cache, const a
   for (int64_t r = 0; r < rows_; ++r) {
     TORCH_CHECK(lens_[r] >= 1 && lens_[r] <= width * block_size_, "row ", r, " has ", lens_[r],
                 " keys, its block table covers ", width * block_size_);
-    keys += lens_[r];
+    keys += lens_[r] - first_key(r);
   }
   // Tiles: runs of rows that read the same keys (a prompt's tokens). A row joins the tile of the row
   // before it where its length is no shorter and its table names the same blocks for every key that
@@ -277,7 +281,9 @@ void PagedDecode::warm(int64_t task, Warmer& warmer) const {
   const int64_t row = tile_starts_[task / kv_heads_ + 1] - 1, kv_head = task % kv_heads_, len = lens_[row];
   const int64_t* table = tables_ + row * table_stride_;
   const int64_t bytes = head_dim_ * static_cast<int64_t>(at::elementSize(cache_type_));
-  for (int64_t start = 0; start < len; start += block_size_) {
+  // from the block of the tile's first row's first key (its windows start no later than the others')
+  const int64_t from = first_key(tile_starts_[task / kv_heads_]) / block_size_ * block_size_;
+  for (int64_t start = from; start < len; start += block_size_) {
     const int64_t at = (kv_head * blocks_ + table[start / block_size_]) * block_size_ * bytes;
     const int64_t n = std::min(block_size_, len - start) * bytes;
     warmer.add(static_cast<const char*>(k_) + at, n);
@@ -305,8 +311,13 @@ void PagedDecode::run_row(int64_t row, int64_t kv_head, std::vector<float>& scra
   float* widened = totals + group;       // [hd]: one 16-bit key or value as floats (unvectorized path)
   const float* q = q_ + row * q_row_stride_ + kv_head * group * q_head_stride_;
   const bool vectors = hd % 8 == 0 && block_size_ % 8 == 0;
+  // Under a window the loops start at its first key's block (vectors) or at the key (one at a time):
+  // the blocks before it are never read. lo, a multiple of eight, is where the row's probabilities
+  // start; those in [lo, from) are the first block's keys before the window, weighed as 0.
+  const int64_t from = first_key(row), first_block = vectors ? from / block_size_ : 0;
+  const int64_t lo = vectors ? first_block * block_size_ : from / 8 * 8;
   if (vectors) {
-    for (int64_t b = 0, start = 0; start < len; ++b, start += block_size_) {
+    for (int64_t b = first_block, start = lo; start < len; ++b, start += block_size_) {
       const T* block = k_cache + block_at(b);
       // the block two ahead, whose keys are asked for eight at a time (blocks are scattered)
       const bool ask = start + 2 * block_size_ < len;
@@ -320,12 +331,17 @@ void PagedDecode::run_row(int64_t row, int64_t kv_head, std::vector<float>& scra
       }
     }
   } else {
-    for (int64_t t = 0; t < len; ++t) {
+    for (int64_t t = from; t < len; ++t) {
       const float* key = as_floats(k_cache + offset(t), hd, widened);
       for (int64_t g = 0; g < group; ++g) probs[g * padded + t] = dot(q + g * q_head_stride_, key, hd) * scale_;
     }
   }
-  for (int64_t g = 0; g < group; ++g) totals[g] = exponentiate(probs + g * padded, len);
+  for (int64_t g = 0; g < group; ++g) {
+    float* p = probs + g * padded;
+    cap_scores(p, from, len);
+    std::fill(p + lo, p + from, -INFINITY);
+    totals[g] = exponentiate(p + lo, len - lo);
+  }
   std::fill_n(acc, group * hd, 0.f);
   const int64_t held = vectors ? hd / 32 * 32 : 0;  // outputs summed in registers, 32 at a time
   const auto value_at = [&](int64_t b) { return v_cache + block_at(b); };
@@ -333,14 +349,14 @@ void PagedDecode::run_row(int64_t row, int64_t kv_head, std::vector<float>& scra
     const float* pg = probs + g * padded;
     for (int64_t d0 = 0; d0 < held; d0 += 32) {
       switch (std::min<int64_t>(3, group - g)) {
-        case 3: weigh_values<3, T>(pg, padded, len, block_size_, d0, value_at, g == 0 && d0 == 0, acc + g * hd, hd); break;
-        case 2: weigh_values<2, T>(pg, padded, len, block_size_, d0, value_at, g == 0 && d0 == 0, acc + g * hd, hd); break;
-        default: weigh_values<1, T>(pg, padded, len, block_size_, d0, value_at, g == 0 && d0 == 0, acc + g * hd, hd);
+        case 3: weigh_values<3, T>(pg, padded, first_block, len, block_size_, d0, value_at, g == 0 && d0 == 0, acc + g * hd, hd); break;
+        case 2: weigh_values<2, T>(pg, padded, first_block, len, block_size_, d0, value_at, g == 0 && d0 == 0, acc + g * hd, hd); break;
+        default: weigh_values<1, T>(pg, padded, first_block, len, block_size_, d0, value_at, g == 0 && d0 == 0, acc + g * hd, hd);
       }
     }
   }
   if (held < hd) {
-    for (int64_t t = 0; t < len; ++t) {
+    for (int64_t t = from; t < len; ++t) {
       const float* value = as_floats(v_cache + offset(t) + held, hd - held, widened);
       for (int64_t g = 0; g < group; ++g) axpy(probs[g * padded + t], value, acc + g * hd + held, hd - held);
     }
@@ -373,35 +389,46 @@ void PagedDecode::run_tile(int64_t first, int64_t end, int64_t kv_head, std::vec
   const float* keys[8];
   for (int64_t i = 0; i < 8; ++i) keys[i] = widened + i * hd;
   const auto q_of = [&](int64_t i) { return q_ + (first + i) * q_row_stride_ + kv_head * group * q_head_stride_; };
-  for (int64_t b = 0, start = 0; start < longest; ++b, start += block_size_) {
+  // Under a window, row i's probabilities start at its first key's block, lo(i); the tile's keys and
+  // values at the first row's (the rows' windows start in order, lengths never shrinking).
+  const auto lo = [&](int64_t i) { return first_key(first + i) / block_size_ * block_size_; };
+  const int64_t tile_lo = lo(0);
+  for (int64_t b = tile_lo / block_size_, start = tile_lo; start < longest; ++b, start += block_size_) {
     const T* block = k_cache + block_at(b);
     if (start + 2 * block_size_ < longest) prefetch(k_cache + block_at(b + 2), block_size_ * hd);
     for (int64_t t0 = start; t0 < std::min(longest, start + block_size_); t0 += 8) {
       for (int64_t i = 0; i < 8; ++i) widen(block + (std::min(t0 + i, longest - 1) - start) * hd, hd, widened + i * hd);
       for (int64_t i = 0; i < n; ++i) {
         // past a row's length (within these eight) its scores are overwritten below, as run_row's are
-        if (t0 >= lens_[first + i]) continue;
+        if (t0 >= lens_[first + i] || t0 < lo(i)) continue;
         score_heads(q_of(i), q_head_stride_, group, keys, hd, scale_, probs + i * group * padded, padded, t0);
       }
     }
   }
-  for (int64_t i = 0; i < n * group; ++i) totals[i] = exponentiate(probs + i * padded, lens_[first + i / group]);
+  for (int64_t i = 0; i < n * group; ++i) {
+    const int64_t row = first + i / group, from = first_key(row), row_lo = lo(i / group);
+    float* p = probs + i * padded;
+    cap_scores(p, from, lens_[row]);
+    std::fill(p + row_lo, p + from, -INFINITY);
+    totals[i] = exponentiate(p + row_lo, lens_[row] - row_lo);
+  }
   std::fill_n(acc, n * group * hd, 0.f);
-  for (int64_t span = 0; span < longest; span += kValueSpan) {
+  for (int64_t span = tile_lo; span < longest; span += kValueSpan) {
     const int64_t span_end = std::min(longest, span + kValueSpan);
     for (int64_t t = span; t < span_end; t += block_size_)
       widen(v_cache + block_at(t / block_size_), std::min(block_size_, span_end - t) * hd, widened + (t - span) * hd);
     for (int64_t i = 0; i < n; ++i) {
-      if (span >= lens_[first + i]) continue;
-      const int64_t stop = std::min(span_end, lens_[first + i]);
+      if (span >= lens_[first + i] || span_end <= lo(i)) continue;
+      const int64_t begin = std::max(span, lo(i)), stop = std::min(span_end, lens_[first + i]);
+      const float* values = widened + (begin - span) * hd;
       for (int64_t g = 0; g < group; g += 3) {
         const float* p = probs + (i * group + g) * padded;
         float* a = acc + (i * group + g) * hd;
         for (int64_t d0 = 0; d0 < hd; d0 += 32) {
           switch (std::min<int64_t>(3, group - g)) {
-            case 3: weigh_span<3>(p, padded, span, stop, widened + d0, a + d0, hd); break;
-            case 2: weigh_span<2>(p, padded, span, stop, widened + d0, a + d0, hd); break;
-            default: weigh_span<1>(p, padded, span, stop, widened + d0, a + d0, hd);
+            case 3: weigh_span<3>(p, padded, begin, stop, values + d0, a + d0, hd); break;
+            case 2: weigh_span<2>(p, padded, begin, stop, values + d0, a + d0, hd); break;
+            default: weigh_span<1>(p, padded, begin, stop, values + d0, a + d0, hd);
           }
         }
       }
@@ -415,9 +442,15 @@ void PagedDecode::run_tile(int64_t first, int64_t end, int64_t kv_head, std::vec
     }
 }
 
+void PagedDecode::cap_scores(float* scores, int64_t from, int64_t len) const {
+  if (softcap_ == 0) return;
+  for (int64_t t = from; t < len; ++t) scores[t] = std::tanh(scores[t] / softcap_) * softcap_;
+}
+
 void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                            const at::Tensor& block_table, const at::Tensor& seq_lens, double scale, at::Tensor& out) {
-  const PagedDecode job(q, k_cache, v_cache, block_table, seq_lens, scale, out);
+                            const at::Tensor& block_table, const at::Tensor& seq_lens, double scale, at::Tensor& out,
+                            int64_t window, double softcap) {
+  const PagedDecode job(q, k_cache, v_cache, block_table, seq_lens, scale, out, window, softcap);
   // Tasks go to whichever thread asks first: a prompt's later rows read more keys than its first
   // (a 2,048-token prompt's second half holds three quarters of its work), which a static split
   // into one range per thread left to one thread.

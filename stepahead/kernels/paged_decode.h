@@ -3,6 +3,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -16,8 +17,11 @@ namespace stepahead_cpu {
 class PagedDecode {
  public:
   // Checks the operands as paged_decode_attention takes them (ops.h); they must outlive the object.
+  // window: each row attends to its last `window` keys only (0: to all of them); softcap: scores
+  // become softcap * tanh(score / softcap) (0: as they are).
   PagedDecode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-              const at::Tensor& block_table, const at::Tensor& seq_lens, double scale, at::Tensor& out);
+              const at::Tensor& block_table, const at::Tensor& seq_lens, double scale, at::Tensor& out,
+              int64_t window = 0, double softcap = 0);
 
   int64_t tasks() const { return (static_cast<int64_t>(tile_starts_.size()) - 1) * kv_heads_; }
   // Multiply-adds of an average task.
@@ -38,6 +42,10 @@ class PagedDecode {
   void run_row(int64_t row, int64_t kv_head, std::vector<float>& scratch) const;
   template <typename T>
   void run_tile(int64_t first, int64_t end, int64_t kv_head, std::vector<float>& scratch) const;
+  // The row's first key inside its window (0 without one).
+  int64_t first_key(int64_t row) const { return window_ > 0 ? std::max<int64_t>(0, lens_[row] - window_) : 0; }
+  // Scores [from, len) of one head's row capped by softcap_ (when set).
+  void cap_scores(float* scores, int64_t from, int64_t len) const;
 
   const float* q_;
   const void* k_;
@@ -49,6 +57,8 @@ class PagedDecode {
   int64_t rows_, heads_, kv_heads_, head_dim_, blocks_, block_size_;
   int64_t q_row_stride_, q_head_stride_, table_stride_, work_per_task_;
   float scale_;
+  int64_t window_;
+  float softcap_;
   std::vector<int64_t> tile_starts_;  // each tile's first row, then rows_
 };
 

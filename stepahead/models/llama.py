@@ -32,6 +32,7 @@ from stepahead.models.parallel_layers import (
 )
 from stepahead.models.quant.prompt_rows import PromptRows
 from stepahead.models.rope import apply_rope, rope_cos_sin
+from stepahead.models.windows import layer_windows
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -54,6 +55,10 @@ class LlamaArgs:
     qkv_bias: bool
     qk_norm: bool
     partial_rotary_factor: float = 1.0  # the share of each head's features rope rotates (models/rope.py)
+    sliding_windows: tuple[int | None, ...] = ()  # each layer's attention window; () for none (models/windows.py)
+
+    def window_of(self, layer: int) -> int | None:
+        return self.sliding_windows[layer] if self.sliding_windows else None
 
     @staticmethod
     def from_hf_config(arch: str, cfg: dict) -> LlamaArgs:
@@ -79,6 +84,7 @@ class LlamaArgs:
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM",
             partial_rotary_factor=float(cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))),
+            sliding_windows=layer_windows(arch, cfg, cfg["num_hidden_layers"]),
         )
 
 
@@ -135,8 +141,10 @@ def stage_layers(num_layers: int, ps: ParallelState) -> range:
 
 
 class Attention(nn.Module):
-    def __init__(self, a: LlamaArgs, ps: ParallelState = SINGLE) -> None:
+    def __init__(self, a: LlamaArgs, ps: ParallelState = SINGLE, window: int | None = None) -> None:
         super().__init__()
+        self.window = window  # tokens this layer attends to (its own included); None: the whole context
+        self.softcap: float | None = None  # attention logit soft-capping (a family that has it sets it)
         shard = RankShard.of(a, ps)
         self.num_heads, self.num_kv_heads, self.head_dim = shard.num_heads, shard.num_kv_heads, a.head_dim
         self.q_size, self.kv_size = self.num_heads * a.head_dim, self.num_kv_heads * a.head_dim
@@ -168,7 +176,7 @@ class Attention(nn.Module):
             cos, sin = cos_sin[:, 0:1], cos_sin[:, 1:2]
             q, k = qk_heads.split([self.num_heads, self.num_kv_heads], dim=1)
             q, k = apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin)
-        o = paged_attention(q, k, v, kv, meta, self.scale)
+        o = paged_attention(q, k, v, kv, meta, self.scale, self.window, self.softcap)
         return self.o_proj(o.view(t, self.q_size), prompt_rows)
 
 
@@ -189,9 +197,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, a: LlamaArgs, ps: ParallelState = SINGLE) -> None:
+    def __init__(self, a: LlamaArgs, ps: ParallelState = SINGLE, window: int | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(a, ps)
+        self.self_attn = Attention(a, ps, window)
         self.mlp = MLP(a, ps)
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
@@ -223,7 +231,13 @@ class ShardRead(NamedTuple):
 class LlamaForCausalLM(nn.Module):
     """The whole model at one rank, or one rank's part of it: with tensor parallelism every layer holds
     its shard (RankShard); with pipeline parallelism the stage holds the layers stage_layers() names, the
-    first stage the embedding, the last the final norm and LM head (and the embedding when tied)."""
+    first stage the embedding, the last the final norm and LM head (and the embedding when tied).
+
+    A family that shares the weight layout and loading (models/gemma.py) brings its own layer and norm
+    classes and overrides embed() and forward()."""
+
+    layer_class: type[nn.Module] = DecoderLayer  # built as layer_class(args, ps, window)
+    norm_class: type[RMSNorm] = RMSNorm
 
     def __init__(self, a: LlamaArgs, ps: ParallelState = SINGLE) -> None:
         super().__init__()
@@ -233,8 +247,8 @@ class LlamaForCausalLM(nn.Module):
         self.shard = RankShard.of(a, ps)
         has_embedding = ps.is_first_stage or (ps.is_last_stage and a.tie_word_embeddings)
         self.embed_tokens = VocabParallelEmbedding(a.vocab_size, a.hidden_size, ps) if has_embedding else None
-        self.layers = nn.ModuleList(DecoderLayer(a, ps) for _ in self.layer_range)
-        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps) if ps.is_last_stage else None
+        self.layers = nn.ModuleList(self.layer_class(a, ps, a.window_of(i)) for i in self.layer_range)
+        self.norm = self.norm_class(a.hidden_size, a.rms_norm_eps) if ps.is_last_stage else None
         self.lm_head = None
         if ps.is_last_stage:
             self.lm_head = ParallelLMHead(a.vocab_size, a.hidden_size, ps,
@@ -288,10 +302,7 @@ class LlamaForCausalLM(nn.Module):
         hidden states, the others the residual stream to send on. kv_cache holds this stage's layers;
         prompt_rows says which rows are prompt tokens (packed weights on torch's kernels run them
         dense)."""
-        if self.ps.is_first_stage:
-            h = self.embed_tokens(input_ids)
-        else:
-            h = hidden if hidden is not None else self.rope_cache.new_zeros(input_ids.shape[0], self.args.hidden_size)
+        h = self.stage_input(input_ids, hidden)
         cos_sin = self.rope_cache.index_select(0, positions)  # [T, 2, rotary dim]
         group = None
         if self.decode_stack is not None and prompt_rows is None and isinstance(meta, AttentionMetadata):
@@ -303,6 +314,16 @@ class LlamaForCausalLM(nn.Module):
             for i, layer in enumerate(self.layers):
                 h = layer(h, cos_sin, kv_cache.layer(i), meta, prompt_rows)
         return self.norm(h) if self.ps.is_last_stage else h
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def stage_input(self, input_ids: torch.Tensor, hidden: torch.Tensor | None) -> torch.Tensor:
+        """The residual stream this stage starts from: the embedded tokens on the first stage, else the
+        previous stage's output (zeros when None, for a memory-profiling dummy step)."""
+        if self.ps.is_first_stage:
+            return self.embed(input_ids)
+        return hidden if hidden is not None else self.rope_cache.new_zeros(input_ids.shape[0], self.args.hidden_size)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the whole vocabulary (gathered across tensor ranks); last stage only."""

@@ -48,14 +48,23 @@ class ModelFamily:
 
 
 def _families() -> tuple[ModelFamily, ...]:
-    from stepahead.models import llama, phi3
+    from stepahead.models import gemma, llama, phi3
 
     return (
         ModelFamily("Llama", llama.SUPPORTED_ARCHITECTURES, llama.LlamaArgs.from_hf_config,
                     llama.LlamaForCausalLM, llama.check_parallel_sizes),
         ModelFamily("Phi3", phi3.SUPPORTED_ARCHITECTURES, phi3.phi3_args, phi3.Phi3ForCausalLM,
                     llama.check_parallel_sizes),
+        ModelFamily("Gemma", gemma.SUPPORTED_ARCHITECTURES, gemma.GemmaArgs.from_hf_config,
+                    gemma.GemmaForCausalLM, llama.check_parallel_sizes),
     )
+
+
+# Architectures refused with a reason of their own (a text family serves their checkpoints' text part).
+REFUSED = {
+    "Gemma3ForConditionalGeneration": "the multimodal Gemma 3 (text and images) is not supported; "
+                                      "its text-only checkpoints (Gemma3ForCausalLM) are",
+}
 
 
 def supported_architectures() -> tuple[str, ...]:
@@ -67,6 +76,8 @@ def family_of(architecture: str | None) -> ModelFamily:
     for family in _families():
         if architecture in family.architectures:
             return family
+    if architecture in REFUSED:
+        raise ValueError(f"model architecture {architecture!r}: {REFUSED[architecture]}")
     raise ValueError(f"model architecture {architecture!r} is not supported (supported: "
                      f"{', '.join(supported_architectures())})")
 

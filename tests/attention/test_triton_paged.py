@@ -65,8 +65,9 @@ def make_batch(rows, *, block_size, num_heads, num_kv_heads, head_dim, dtype=tor
     )
 
 
-def reference(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale):
-    """float64 attention of every row's new tokens over its gathered context; zeros for seq_len-0 rows."""
+def reference(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, window=None, softcap=None):
+    """float64 attention of every row's new tokens over its gathered context (the last `window` keys of
+    each token's, scores soft-capped when softcap is set); zeros for seq_len-0 rows."""
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[0]
     block_size = k_cache.shape[2]
     out = torch.zeros(q.shape, dtype=torch.float64)
@@ -87,20 +88,26 @@ def reference(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale
         qr = q[start:end].transpose(0, 1)  # [heads, n, hd]
         q_pos = seq_len - (end - start) + torch.arange(end - start)
         scores = (qr @ k.transpose(1, 2)) * scale
-        scores = scores.masked_fill(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        hidden = pos[None, None, :] > q_pos[None, :, None]
+        if window is not None:
+            hidden |= pos[None, None, :] <= q_pos[None, :, None] - window
+        scores = scores.masked_fill(hidden, float("-inf"))
         out[start:end] = (scores.softmax(-1) @ v).transpose(0, 1)
     return out
 
 
-def run(batch, tiles=SMALL, out=None, num_kv_splits=None, num_decode_rows=0):
+def run(batch, tiles=SMALL, out=None, num_kv_splits=None, num_decode_rows=0, window=None, softcap=None):
     scale = batch["q"].shape[-1] ** -0.5
     if out is None:
         out = torch.full_like(batch["q"], float("nan"))
     paged_attention(batch["q"], batch["k_cache"], batch["v_cache"], batch["block_table"], batch["seq_lens"],
                     batch["query_start_loc"], max_query_len=batch["max_query_len"], scale=scale, out=out,
-                    tiles=tiles, num_kv_splits=num_kv_splits, num_decode_rows=num_decode_rows)
+                    tiles=tiles, num_kv_splits=num_kv_splits, num_decode_rows=num_decode_rows, window=window,
+                    softcap=softcap)
     expected = reference(batch["q"], batch["k_cache"], batch["v_cache"], batch["block_table"],
-                         batch["seq_lens"], batch["query_start_loc"], scale)
+                         batch["seq_lens"], batch["query_start_loc"], scale, window, softcap)
     return out, expected
 
 
@@ -191,6 +198,34 @@ def test_mixed_step_with_default_tiles_and_decode_rows_only_before_one_prefill()
     split, _ = run(batch, tiles=None, num_decode_rows=3)
     assert_close(split, expected)
     torch.testing.assert_close(split, general_only, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("window,softcap,num_kv_splits,block_size", [
+    (7, None, 1, 16), (20, None, 3, 4), (1, None, 1, 1), (None, 2.0, 1, 16), (9, 3.0, 2, 16), (500, None, 1, 16)])
+def test_sliding_window_and_softcap(window, softcap, num_kv_splits, block_size):
+    """A mixed step (decode rows through the decode launch, split or not; prompts with and without a
+    cached prefix through the general one) under a window and a logit cap, against float64."""
+    batch = make_batch(MIXED_STEP, block_size=block_size, num_heads=4, num_kv_heads=2, head_dim=16, seed=13)
+    out, expected = run(batch, num_kv_splits=num_kv_splits, num_decode_rows=4, window=window, softcap=softcap)
+    assert_close(out, expected)
+
+
+@pytest.mark.parametrize("num_kv_splits", [1, 2])
+def test_blocks_before_the_window_are_never_read(num_kv_splits):
+    """NaN in every block wholly before all of a row's windows (the engine may have handed them to
+    another request) changes nothing."""
+    block_size, window = 4, 6
+    batch = make_batch(MIXED_STEP, block_size=block_size, num_heads=4, num_kv_heads=2, head_dim=16, seed=14)
+    before, expected = run(batch, num_kv_splits=num_kv_splits, num_decode_rows=4, window=window)
+    qsl, lens = batch["query_start_loc"].tolist(), batch["seq_lens"].tolist()
+    for r, seq_len in enumerate(lens):
+        first_key = max(0, seq_len - (qsl[r + 1] - qsl[r]) - window + 1)  # the row's first query's
+        for b in batch["block_table"][r, :first_key // block_size].tolist():
+            batch["k_cache"][:, b] = float("nan")
+            batch["v_cache"][:, b] = float("nan")
+    after, _ = run(batch, num_kv_splits=num_kv_splits, num_decode_rows=4, window=window)
+    assert_close(before, expected)
+    assert torch.equal(before, after)
 
 
 def test_padding_rows_and_spare_tokens():

@@ -13,7 +13,7 @@ from stepahead import LLM, SamplingParams
 from stepahead.bench.plot import lanes_of
 from stepahead.distributed.layer_partition import PARTITION_ENV
 from tests.distributed.conftest import GREEDY, MAX_MODEL_LEN, MAX_TOKENS, SEEDED, prompts, token_ids
-from tests.tiny_models import hf_greedy, phi3_longrope
+from tests.tiny_models import GEMMA_ARCHS, hf_greedy, phi3_longrope
 
 CONFIGS = {
     "tp2": dict(tensor_parallel_size=2),  # async, depth 2
@@ -101,3 +101,15 @@ def test_pipeline_depth3_preemption_and_abort_in_flight(tiny_llama, single_rank_
         assert list(lanes) == ["engine", "stage 0", "stage 1"]
         assert {"forward", "send_hidden"} <= {e.name for e in lanes["stage 0"]}
         assert {"wait_hidden", "forward", "sample"} <= {e.name for e in lanes["stage 1"]}
+
+
+@pytest.mark.parametrize("name", ["tp2", "pp2_async"])
+@pytest.mark.parametrize("arch", GEMMA_ARCHS)
+def test_gemma_parallel_matches_transformers(tiny_model_factory, arch, name):
+    """Two ranks of a Gemma model give transformers' greedy ids: each with half the heads of a
+    windowed and a global layer (the caps applied to whole rows once gathered), or one layer each
+    (the windowed layer on the first stage, the global one and the tied head on the second)."""
+    folder = tiny_model_factory(arch)
+    with LLM(str(folder), max_model_len=MAX_MODEL_LEN, **CONFIGS[name]) as llm:
+        got = token_ids(llm, GREEDY)
+    assert got == hf_greedy(folder, [p["prompt_token_ids"] for p in prompts()], GREEDY.max_tokens)

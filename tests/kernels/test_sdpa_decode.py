@@ -12,32 +12,17 @@ import torch.nn.functional as F
 
 from stepahead.attention.paged_cache import PagedKVCache
 from stepahead.attention.rows import BatchRow
-from stepahead.attention.sdpa import SdpaBackend, paged_attention
 from stepahead.kernels import cpu_build
-from stepahead.worker.staging import StagingBuffer
+from tests.attention.staged import attend_staged
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
-MAX_BLOCKS = 128
 
 needs_kernels = pytest.mark.skipif(not cpu_build.machine_can_build(), reason="needs an AVX2 CPU and a C++ compiler")
 PATHS = [pytest.param(False, id="sdpa"), pytest.param(True, id="kernel", marks=needs_kernels)]
 
 
 def _attend(q, k, v, cache, rows: list[BatchRow], decode_kernel: bool, block_size: int) -> torch.Tensor:
-    """The real staging and metadata path of a step whose rows are `rows` (single-token rows first)."""
-    staging = StagingBuffer(4096, torch.device("cpu"))
-    arange = torch.arange(MAX_BLOCKS * block_size + 64)
-    backend = SdpaBackend(block_size, MAX_BLOCKS, arange, decode_kernel)
-    num_decode = sum(row.num_new_tokens == 1 for row in rows)
-    staged = backend.stage(rows, num_decode, staging)
-    slots, offset = staging.alloc(q.shape[0])
-    for row in rows:
-        for i in range(row.num_new_tokens):
-            pos = row.num_computed_tokens + i
-            slots[row.start + i] = row.block_ids[pos // block_size] * block_size + pos % block_size
-    meta = backend.finish(staged, staging.view(offset, q.shape[0]), staging)
-    assert meta.decode_kernel == decode_kernel
-    return paged_attention(q, k, v, cache.layer(0), meta, HEAD_DIM ** -0.5)
+    return attend_staged(q, k, v, cache, rows, decode_kernel, block_size, HEAD_DIM ** -0.5)
 
 
 def _decode_rows(context_lens: list[int], blocks: list[list[int]]) -> list[BatchRow]:

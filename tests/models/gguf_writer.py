@@ -14,12 +14,42 @@ def _llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, hd // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-          "self_attn.o_proj": "attn_output", "input_layernorm": "attn_norm",
-          "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-          "mlp.down_proj": "ffn_down",
-          # Phi-3: the checkpoint's fused projections, kept fused (gate_up as llama.cpp's ffn_up)
-          "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+# The HF layer names, and Gemma's, as llama.cpp's converter names them.
+LAYER_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.o_proj": "attn_output", "input_layernorm": "attn_norm",
+               "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+               "mlp.down_proj": "ffn_down",
+               # Phi-3: the checkpoint's fused projections, kept fused (gate_up as llama.cpp's ffn_up)
+               "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+GEMMA_LAYER_NAMES = {**LAYER_NAMES, "post_attention_layernorm": "post_attention_norm",
+                     "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+                     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+
+
+def _gemma_metadata(w, cfg: dict, arch: str) -> None:
+    """What llama.cpp's Gemma 2 / Gemma 3 converters write beyond Llama's keys."""
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_sliding_window(cfg["sliding_window"])
+    if cfg.get("attn_logit_softcapping") is not None:
+        w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+    if cfg.get("final_logit_softcapping") is not None:
+        w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    if arch == "gemma3":
+        full = cfg["rope_parameters"]["full_attention"]
+        w.add_rope_freq_base(full["rope_theta"])
+        if full.get("rope_type") == "linear":
+            w.add_rope_scaling_type(gguf_rope_linear())
+            w.add_rope_scaling_factor(full["factor"])
+        # the converter writes no pattern; llama.cpp's default (five windowed layers in six) does not
+        # fit a two-layer model, so this file says which layers are windowed
+        w.add_sliding_window_pattern([kind == "sliding_attention" for kind in cfg["layer_types"]])
+
+
+def gguf_rope_linear():
+    import gguf
+
+    return gguf.RopeScalingType.LINEAR
 
 
 def _add_phi3_metadata(w, cfg: dict) -> None:
@@ -39,18 +69,21 @@ def _add_phi3_metadata(w, cfg: dict) -> None:
         w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
 
 
-def write_gguf(folder, path, quant: dict[str, str] | None = None):
+def write_gguf(folder, path, quant: dict[str, str] | None = None, arch: str | None = None):
     """The tiny safetensors model at folder as a GGUF file at path (no tokenizer metadata).
 
     quant maps a GGUF tensor kind ("attn_q", "ffn_down", "output", ...) to the GGUF type it is
-    written in ("Q4_0", "Q4_1", "Q8_0"); other tensors are f32."""
+    written in ("Q4_0", "Q4_1", "Q8_0"); other tensors are f32. arch "gemma2" / "gemma3": Gemma's
+    metadata, tensor names and norm weights stored as 1 + w, as llama.cpp's converter writes them."""
     import gguf
     import gguf.quants
     from safetensors.torch import load_file
 
     cfg = json.loads((folder / "config.json").read_text())
     sd = load_file(str(folder / "model.safetensors"))
-    arch = "phi3" if cfg["architectures"] == ["Phi3ForCausalLM"] else "llama"
+    if arch is None:
+        arch = "phi3" if cfg["architectures"] == ["Phi3ForCausalLM"] else "llama"
+    gemma = arch in ("gemma2", "gemma3")
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
@@ -59,7 +92,10 @@ def write_gguf(folder, path, quant: dict[str, str] | None = None):
     w.add_head_count(cfg["num_attention_heads"])
     w.add_head_count_kv(cfg["num_key_value_heads"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_freq_base(10000.0)
+    if gemma:
+        _gemma_metadata(w, cfg, arch)
+    else:
+        w.add_rope_freq_base(10000.0)
     w.add_vocab_size(cfg["vocab_size"])
     w.add_eos_token_id(2)
     if arch == "phi3":
@@ -69,16 +105,19 @@ def write_gguf(folder, path, quant: dict[str, str] | None = None):
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(rope["factor"])
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    names = GEMMA_LAYER_NAMES if gemma else LAYER_NAMES
     for name, t in sd.items():
         a = t.float().numpy()
+        if gemma and name.endswith("norm.weight"):
+            a = a + np.float32(1.0)
         if name.startswith("model.layers."):
             _, _, i, *rest = name.split(".")
             base, kind = ".".join(rest[:-1]), rest[-1]
-            if base == "self_attn.q_proj":
+            if base == "self_attn.q_proj" and not gemma:
                 a = _llamacpp_permute(a, cfg["num_attention_heads"])
-            elif base == "self_attn.k_proj":
+            elif base == "self_attn.k_proj" and not gemma:
                 a = _llamacpp_permute(a, cfg["num_key_value_heads"])
-            gname = f"blk.{i}.{_NAMES[base]}.{kind}"
+            gname = f"blk.{i}.{names[base]}.{kind}"
         else:
             gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                      "lm_head.weight": "output.weight"}[name]

@@ -149,8 +149,10 @@ def test_quantized_gguf_packs_the_fused_projections(tiny_phi3_longrope, tmp_path
     assert float((sequence_logits(int8, prompt) - ref).abs().max()) < 0.02 * float(ref.abs().max())
 
 
-def test_sliding_window_caps_the_context(tiny_model_factory):
-    """Phi-3-mini-4k's window (2047 of 4096) caps max_model_len, where full attention equals it; a
-    larger one (Phi-3.5's) leaves max_position_embeddings."""
-    assert load_model_config(str(tiny_model_factory("phi3", sliding_window=100)), "cpu").max_model_len == 100
-    assert load_model_config(str(tiny_model_factory("phi3", sliding_window=4096)), "cpu").max_model_len == 512
+def test_sliding_window_runs_the_whole_context(tiny_model_factory):
+    """A Phi-3 window (Phi-3-mini-4k has 2047 of 4096) shorter than prompt + output: the whole context,
+    windowed attention, transformers' greedy ids."""
+    folder = tiny_model_factory("phi3", sliding_window=12)
+    assert load_model_config(str(folder), "cpu").max_model_len == 512
+    prompts = _prompts((5, 20, 40))
+    assert _generate(folder, prompts, max_model_len=256, block_size=4) == hf_greedy(folder, prompts, MAX_TOKENS)

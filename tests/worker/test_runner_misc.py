@@ -59,16 +59,18 @@ def test_bfloat16_runs_and_mostly_agrees(tiny_llama):
     assert outs["bfloat16"][0] == outs["float32"][0]
 
 
-def test_mistral_sliding_window_caps_context(tiny_model_factory, tmp_path):
+def test_mistral_sliding_window_keeps_the_full_context(tiny_model_factory, tmp_path):
     folder = shutil.copytree(tiny_model_factory("mistral"), tmp_path / "mistral-sw")
     cfg = json.loads((folder / "config.json").read_text())
     cfg["sliding_window"] = 64
     (folder / "config.json").write_text(json.dumps(cfg))
-    assert load_model_config(str(folder), "cpu").max_model_len == 64
-    # The window reaches the scheduler's KV cache manager, which returns blocks out of it (none yet:
-    # the context is capped at the window).
-    config = EngineArgs(model=str(folder), num_kv_blocks=16).create_engine_config()
-    assert config.cache_config.sliding_window == 64
+    config = load_model_config(str(folder), "cpu")
+    assert config.max_model_len == cfg["max_position_embeddings"]
+    assert config.sliding_windows == (64, 64)
+    # Every layer windowed: the window reaches the scheduler's KV cache manager, which returns the
+    # blocks that fall out of it.
+    engine_config = EngineArgs(model=str(folder), num_kv_blocks=40).create_engine_config()
+    assert engine_config.cache_config.sliding_window == 64
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -174,3 +174,16 @@ def test_backend_resolution(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(InvalidInputError, match="needs a CUDA device"):
         resolve_attention_backend("triton", "cpu")
+
+
+@pytest.mark.parametrize("arch,overrides,chunk", [("gemma2", {}, 10**9), ("gemma3", {}, 7),
+                                                  ("mistral", {"sliding_window": 9}, 7)])
+def test_windowed_and_capped_greedy_matches_transformers(tmp_path, arch, overrides, chunk):
+    """Sliding windows shorter than the prompts (and Gemma's logit caps) on the Triton kernels, whole
+    prompts and chunks of 7."""
+    folder = build_tiny_model(tmp_path / arch, arch, **overrides)
+    sched = MiniSched(_runner(folder, 4), 4, chunk=chunk)
+    for i, p in enumerate(PROMPTS):
+        sched.add(f"r{i}", p, MAX_NEW)
+    out = sched.run()
+    assert [out[f"r{i}"] for i in range(len(PROMPTS))] == hf_greedy(folder, PROMPTS, MAX_NEW)

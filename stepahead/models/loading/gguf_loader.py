@@ -18,7 +18,11 @@ import torch
 from stepahead.models.loading.weights import WeightHandle
 
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                      "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+                      "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
+                      "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+# llama.cpp's converter stores Gemma's RMSNorm weights as 1 + w (what the norm multiplies by); HF
+# checkpoints, and the model here, hold w.
+NORM_PLUS_ONE_ARCHITECTURES = {"gemma2", "gemma3"}
 # Architectures whose converter permutes Q/K rows.
 PERMUTED_ARCHITECTURES = {"llama", "mistral"}
 
@@ -28,8 +32,12 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "attn_qkv": "self_attn.qkv_proj",
 }
+# Gemma's four norms a layer: llama.cpp's ffn_norm is the one before the MLP.
+_GEMMA_LAYER_NAMES = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+                      "post_ffw_norm": "post_feedforward_layernorm"}
 # Where an architecture's tensor of that kind holds something else: Phi-3's ffn_up is gate_up_proj.
-_ARCH_LAYER_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
+_ARCH_LAYER_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"}, "gemma2": _GEMMA_LAYER_NAMES,
+                     "gemma3": _GEMMA_LAYER_NAMES}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -93,6 +101,8 @@ def read_gguf_config(path: str) -> tuple[str, dict]:
         raise ValueError(f"GGUF rope scaling {scaling!r} is not supported")
     if arch == "phi3":
         cfg.update(_phi3_config(reader, cfg))
+    if arch in NORM_PLUS_ONE_ARCHITECTURES:
+        cfg.update(_gemma_config(reader, arch, cfg))
     return GGUF_ARCHITECTURES[arch], cfg
 
 
@@ -136,6 +146,43 @@ def _phi3_config(reader, cfg: dict) -> dict:
     return extra
 
 
+# llama.cpp's defaults where its Gemma converters write no key: every other layer windowed (Gemma 2),
+# five in six (Gemma 3); Gemma 3's global rope base and its local one.
+_GEMMA_PATTERN = {"gemma2": 2, "gemma3": 6}
+_GEMMA_LARGEST_LAYERS = {"gemma2": 46, "gemma3": 62}  # the 27B models, whose query scale differs
+
+
+def _gemma_config(reader, arch: str, cfg: dict) -> dict:
+    """Gemma's config fields from the file: the window and which layers have it, the logit caps, the
+    query scale and (Gemma 3) the rope bases, as llama.cpp reads them."""
+    layers = cfg["num_hidden_layers"]
+    pattern = _field(reader, f"{arch}.attention.sliding_window_pattern", _GEMMA_PATTERN[arch])
+    if isinstance(pattern, list):  # one flag a layer: windowed or not
+        windowed = [bool(flag) for flag in pattern]
+    else:  # llama.cpp's period: the last layer of each period is global
+        windowed = [int(pattern) == 0 or i % int(pattern) < int(pattern) - 1 for i in range(layers)]
+    extra: dict = {
+        "layer_types": ["sliding_attention" if w else "full_attention" for w in windowed],
+        "attn_logit_softcapping": _field(reader, f"{arch}.attn_logit_softcapping"),
+        "final_logit_softcapping": _field(reader, f"{arch}.final_logit_softcapping"),
+        "hidden_activation": "gelu_pytorch_tanh",
+    }
+    window = _field(reader, f"{arch}.attention.sliding_window")
+    if window is not None:
+        extra["sliding_window"] = int(window)
+    scale = _field(reader, f"{arch}.attention.scale")
+    if scale is not None:
+        extra["query_pre_attn_scalar"] = float(scale) ** -2
+    elif layers == _GEMMA_LARGEST_LAYERS[arch]:
+        extra["query_pre_attn_scalar"] = cfg["hidden_size"] / cfg["num_attention_heads"]
+    else:
+        extra["query_pre_attn_scalar"] = cfg["head_dim"]
+    if arch == "gemma3":
+        extra["rope_theta"] = float(_field(reader, f"{arch}.rope.freq_base", 1_000_000.0))
+        extra["rope_local_base_freq"] = float(_field(reader, f"{arch}.rope.freq_base_swa", 10_000.0))
+    return extra
+
+
 def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Inverse of llama.cpp's permute(): rows (head, pair, half) back to (head, half, pair)."""
     rows = w.shape[0]
@@ -172,22 +219,27 @@ def iter_gguf_weight_handles(path: str, cfg: dict) -> Iterator[tuple[str, Weight
     """(HF name, lazy handle) for every tensor of the file: a tensor is dequantized from the memmap only
     when the model reads it, so a pipeline stage never reads the layers of other stages."""
     reader = open_reader(path)
+    arch = cfg.get("gguf_arch")
     for t in reader.tensors:
-        name = hf_name(t.name, cfg.get("gguf_arch"))
+        name = hf_name(t.name, arch)
         if name is None:
             if t.name.startswith(("rope_freqs", "rope_factors_")):  # rope's own tables (read into the config)
                 continue
             raise ValueError(f"GGUF tensor {t.name!r} has no known mapping")
         shape = tuple(int(d) for d in reversed(t.shape))
-        read = functools.partial(_read_gguf_slice, t, shape, permuted_heads(name, cfg))
+        offset = 1.0 if arch in NORM_PLUS_ONE_ARCHITECTURES and name.endswith("norm.weight") else 0.0
+        read = functools.partial(_read_gguf_slice, t, shape, permuted_heads(name, cfg), offset)
         yield name, WeightHandle(shape, read)
 
 
-def _read_gguf_slice(t, shape: tuple[int, ...], heads: int | None, dim: int, start: int,
+def _read_gguf_slice(t, shape: tuple[int, ...], heads: int | None, offset: float, dim: int, start: int,
                      length: int) -> torch.Tensor:
+    """The tensor's slice as HF holds it: un-permuted, less `offset` (Gemma's norms)."""
     from gguf.quants import dequantize
 
     w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+    if offset:
+        w = w - np.float32(offset)
     if heads is not None:
         w = unpermute_qk(w, heads)
     if w.ndim:

@@ -118,14 +118,9 @@ def load_model_config(model: str | None, device: str, *, dtype: str = "auto", ma
     arch = margs.architecture
     rope.check_rope(margs)
     model_max = rope.max_context(margs)
-    window = _sliding_window(arch, cfg)
-    if window is not None and window < model_max:
-        # Sliding-window attention is not implemented; within the window it equals full attention,
-        # so capping the context keeps results exact.
-        model_max = window
     if max_model_len is not None and not (2 <= max_model_len <= model_max):
         raise ValueError(f"max_model_len must be in [2, {model_max}] (the model's max_position_embeddings, "
-                         "with its rope scaling and sliding window), "
+                         "with its rope scaling), "
                          f"got {max_model_len}")
     gen_config = read_generation_config(generation_config, p if p.is_dir() else None)
     # Models with several end tokens (Llama 3's <|end_of_text|> and <|eot_id|>, ...): the first is the
@@ -143,7 +138,7 @@ def load_model_config(model: str | None, device: str, *, dtype: str = "auto", ma
         extra_eos_token_ids=tuple(eos_ids[1:]),
         chat_template=_read_chat_template(chat_template),
         quantization=quantization,
-        sliding_windows=(window,) * margs.num_layers if window is not None else (),
+        sliding_windows=margs.sliding_windows,
     )
 
 
@@ -175,15 +170,6 @@ def _read_chat_template(template: str | None) -> str | None:
     if "{" in template:
         return template
     raise ValueError(f"chat_template: {template!r} is neither a file nor a Jinja template")
-
-
-def _sliding_window(arch: str, cfg: dict) -> int | None:
-    window = cfg.get("sliding_window")
-    if not window:
-        return None
-    if arch in ("MistralForCausalLM", "Phi3ForCausalLM") or cfg.get("use_sliding_window"):
-        return int(window)
-    return None
 
 
 def _iter_safetensors(folder: Path):
