@@ -17,9 +17,9 @@ from stepahead.models.quant.quantized_linear import Int4Linear
 
 def build_decode_stack(model):
     """A DecodeStack over the model's layers, or None unless every projection of every layer runs
-    stepahead's int4 kernel (other packings, torch's kernel, Qwen3's per-head norms, tensor or pipeline
-    ranks: those steps keep the Python path)."""
-    if model.ps.world_size > 1 or model.args.qk_norm or not model.layers:
+    stepahead's int4 kernel (other packings, torch's kernel, Qwen3's per-head norms, mixtures of experts,
+    tensor or pipeline ranks: those steps keep the Python path)."""
+    if model.ps.world_size > 1 or model.args.qk_norm or model.args.moe is not None or not model.layers:
         return None
     layers = []
     for layer in model.layers:

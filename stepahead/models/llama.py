@@ -1,4 +1,6 @@
-"""The Llama family in one implementation: Llama, Mistral, Qwen2 (qkv bias), Qwen3 (per-head q/k RMSNorm).
+"""The Llama family in one implementation: Llama, Mistral, Qwen2 (qkv bias), Qwen3 (per-head q/k RMSNorm),
+and the mixtures of experts built on it (Qwen3-MoE, Mixtral: LlamaArgs.moe, the MLP of their sparse layers
+a models/moe.py MoeBlock; their arguments in models/moe_families.py).
 
 Forward takes the flattened tokens of a mixed prefill + decode batch, their positions, the paged KV
 cache and the step's attention metadata (built by the runner's attention backend); it returns hidden states, and compute_logits maps the rows
@@ -7,6 +9,7 @@ that sample to vocabulary logits.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -21,6 +24,7 @@ from stepahead.distributed.state import SINGLE, ParallelState
 from stepahead.kernels import cpu_ops
 from stepahead.kernels.cpu_decode_stack import build_decode_stack
 from stepahead.models.loading.weights import as_handle
+from stepahead.models.moe import MoeArgs, MoeBlock
 from stepahead.models.parallel_layers import (
     ColumnParallelLinear,
     ParallelLinear,
@@ -52,6 +56,10 @@ class LlamaArgs:
     tie_word_embeddings: bool
     qkv_bias: bool
     qk_norm: bool
+    moe: MoeArgs | None = None  # experts of the sparse layers (None: every layer's MLP is dense)
+
+    def is_sparse(self, layer: int) -> bool:
+        return self.moe is not None and layer in self.moe.sparse_layers
 
     @staticmethod
     def from_hf_config(arch: str, cfg: dict) -> LlamaArgs:
@@ -118,8 +126,11 @@ def check_parallel_sizes(a: LlamaArgs, tp: int, pp: int) -> None:
     if a.num_kv_heads % tp and tp % a.num_kv_heads:
         raise ValueError(f"tensor_parallel_size={tp} and num_key_value_heads={a.num_kv_heads}: one must divide "
                          "the other (KV heads are split across ranks, or replicated when fewer than ranks)")
-    if a.intermediate_size % tp:
+    if a.intermediate_size % tp and not all(a.is_sparse(i) for i in range(a.num_layers)):
         raise ValueError(f"tensor_parallel_size={tp} does not divide intermediate_size={a.intermediate_size}")
+    if a.moe is not None and a.moe.intermediate_size % tp:
+        raise ValueError(f"tensor_parallel_size={tp} does not divide the experts' intermediate size "
+                         f"{a.moe.intermediate_size}")
     if a.num_layers % pp:
         raise ValueError(f"pipeline_parallel_size={pp} does not divide num_hidden_layers={a.num_layers}")
 
@@ -185,10 +196,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, a: LlamaArgs, ps: ParallelState = SINGLE) -> None:
+    def __init__(self, a: LlamaArgs, ps: ParallelState = SINGLE, index: int = 0) -> None:
+        """index: the layer's global index (which decides whether its MLP is a MoE block)."""
         super().__init__()
         self.self_attn = Attention(a, ps)
-        self.mlp = MLP(a, ps)
+        self.mlp: MLP | MoeBlock = MoeBlock(a.hidden_size, a.moe, ps) if a.moe and a.is_sparse(index) else MLP(a, ps)
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.fused_add_norm = None  # CUDA: triton_fused.add_rms_norm (LlamaForCausalLM.use_triton_fused)
@@ -202,6 +214,30 @@ class DecoderLayer(nn.Module):
             h = h + attn
             normed = self.post_attention_layernorm(h)
         return h + self.mlp(normed, prompt_rows)
+
+
+# Mixtral's checkpoint names for the MoE block and its experts' matrices -> Qwen3-MoE's, which the model uses.
+_MIXTRAL_NAMES = (("block_sparse_moe.", "mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."),
+                  (".w2.", ".down_proj."))
+_EXPERT_WEIGHT = re.compile(r"\.mlp\.experts\.(\d+)\.")
+
+
+def checkpoint_name(name: str) -> str:
+    """A checkpoint tensor's name in the model's terms (Mixtral's block_sparse_moe.experts.E.w1 ->
+    mlp.experts.E.gate_proj, ...); other names as they are."""
+    if "block_sparse_moe." in name:
+        for old, new in _MIXTRAL_NAMES:
+            name = name.replace(old, new)
+    return name
+
+
+def _expert_of(name: str) -> tuple[int | None, str]:
+    """(expert index, the name without it) for one expert's matrix (layers.0.mlp.experts.3.up_proj.weight ->
+    3, layers.0.mlp.experts.up_proj.weight); (None, name) for any other weight."""
+    m = _EXPERT_WEIGHT.search(name)
+    if m is None:
+        return None, name
+    return int(m.group(1)), name[:m.start()] + ".mlp.experts." + name[m.end():]
 
 
 class _ShardRead(NamedTuple):
@@ -228,7 +264,7 @@ class LlamaForCausalLM(nn.Module):
         self.shard = RankShard.of(a, ps)
         has_embedding = ps.is_first_stage or (ps.is_last_stage and a.tie_word_embeddings)
         self.embed_tokens = VocabParallelEmbedding(a.vocab_size, a.hidden_size, ps) if has_embedding else None
-        self.layers = nn.ModuleList(DecoderLayer(a, ps) for _ in self.layer_range)
+        self.layers = nn.ModuleList(DecoderLayer(a, ps, i) for i in self.layer_range)
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps) if ps.is_last_stage else None
         self.lm_head = None
         if ps.is_last_stage:
@@ -316,6 +352,8 @@ class LlamaForCausalLM(nn.Module):
         q_local, kv_local = shard.num_heads * hd, shard.num_kv_heads * hd
         inter = shard.intermediate_size
         q_all, kv_all = a.num_heads * hd, a.num_kv_heads * hd
+        expert_inter = a.moe.intermediate_size if a.moe is not None else 0
+        e_local = expert_inter // ps.tp_size
         # checkpoint projection -> (fused target, where this rank's slice is read from and goes)
         split = {
             "self_attn.q_proj.": ("self_attn.qkv_proj.", 0, 0, ps.tp_rank * q_local, q_local, q_all),
@@ -326,9 +364,16 @@ class LlamaForCausalLM(nn.Module):
             "mlp.up_proj.": ("mlp.gate_up_proj.", inter, 0, ps.tp_rank * inter, inter, a.intermediate_size),
             "self_attn.o_proj.": ("self_attn.o_proj.", None, 1, ps.tp_rank * q_local, q_local, q_all),
             "mlp.down_proj.": ("mlp.down_proj.", None, 1, ps.tp_rank * inter, inter, a.intermediate_size),
+            # one expert's matrices, into its row of the stacked [E, ...] parameters
+            "mlp.experts.gate_proj.": ("mlp.experts.gate_up_proj.", 0, 0, ps.tp_rank * e_local, e_local,
+                                       expert_inter),
+            "mlp.experts.up_proj.": ("mlp.experts.gate_up_proj.", e_local, 0, ps.tp_rank * e_local, e_local,
+                                     expert_inter),
+            "mlp.experts.down_proj.": ("mlp.experts.down_proj.", None, 1, ps.tp_rank * e_local, e_local,
+                                       expert_inter),
         }
         for name, w in weights:
-            name = name.removeprefix("model.")
+            name = checkpoint_name(name.removeprefix("model."))
             if "rotary_emb" in name:
                 continue
             if name == "lm_head.weight" and a.tie_word_embeddings:
@@ -337,13 +382,20 @@ class LlamaForCausalLM(nn.Module):
             if local is None:  # another stage's
                 continue
             handle = as_handle(w)
-            target, read = local, None
+            expert, of_experts = _expert_of(local)
+            target, read = of_experts, None
             for proj, (fused, *where) in split.items():
-                if proj in local:
-                    target, read = local.replace(proj, fused), _ShardRead(*where)
+                if proj in of_experts:
+                    target, read = of_experts.replace(proj, fused), _ShardRead(*where)
+            if expert is not None:
+                target = target.removesuffix(".weight")  # the stacked parameter itself
             if target not in params:
                 raise ValueError(f"unexpected weight {name!r} for {a.architecture}")
             p = params[target]
+            if expert is not None:
+                if expert >= p.shape[0]:
+                    raise ValueError(f"weight {name!r}: expert {expert} of a model with {p.shape[0]} experts")
+                p = p[expert]
             if local in ("embed_tokens.weight", "lm_head.weight"):
                 vocab_start, _ = vocab_shard(a.vocab_size, ps)
                 rows = max(0, min(p.shape[0], handle.shape[0] - vocab_start))
@@ -388,8 +440,12 @@ class LlamaForCausalLM(nn.Module):
 
     def expected_weight_names(self) -> list[str]:
         names = []
-        for n, _ in self.named_parameters():
-            if ".qkv_proj." in n:
+        for n, p in self.named_parameters():
+            if n.endswith(".experts.gate_up_proj") or n.endswith(".experts.down_proj"):
+                stem, _, fused = n.rpartition(".")
+                parts = ("gate_proj", "up_proj") if fused == "gate_up_proj" else ("down_proj",)
+                names += [f"{stem}.{e}.{part}.weight" for e in range(p.shape[0]) for part in parts]
+            elif ".qkv_proj." in n:
                 names += [n.replace("qkv_proj", p) for p in ("q_proj", "k_proj", "v_proj")]
             elif ".gate_up_proj." in n:
                 names += [n.replace("gate_up_proj", p) for p in ("gate_proj", "up_proj")]

@@ -48,10 +48,14 @@ class ModelFamily:
 
 
 def _families() -> tuple[ModelFamily, ...]:
-    from stepahead.models import llama
+    from stepahead.models import llama, moe_families
 
     return (
         ModelFamily("Llama", llama.SUPPORTED_ARCHITECTURES, llama.LlamaArgs.from_hf_config,
+                    llama.LlamaForCausalLM, llama.check_parallel_sizes),
+        ModelFamily("Qwen3-MoE", moe_families.QWEN3_MOE_ARCHITECTURES, moe_families.qwen3_moe_args,
+                    llama.LlamaForCausalLM, llama.check_parallel_sizes),
+        ModelFamily("Mixtral", moe_families.MIXTRAL_ARCHITECTURES, moe_families.mixtral_args,
                     llama.LlamaForCausalLM, llama.check_parallel_sizes),
     )
 

@@ -181,7 +181,7 @@ def _sliding_window(arch: str, cfg: dict) -> int | None:
     window = cfg.get("sliding_window")
     if not window:
         return None
-    if arch == "MistralForCausalLM" or cfg.get("use_sliding_window"):
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM") or cfg.get("use_sliding_window"):
         return int(window)
     return None
 
