@@ -76,3 +76,15 @@ def test_pipeline_depth3_preemption_and_abort_in_flight(tiny_llama, single_rank_
         assert list(lanes) == ["engine", "stage 0", "stage 1"]
         assert {"forward", "send_hidden"} <= {e.name for e in lanes["stage 0"]}
         assert {"wait_hidden", "forward", "sample"} <= {e.name for e in lanes["stage 1"]}
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_moe_tensor_parallel_equals_one_rank(tiny_model_factory, arch):
+    """Each rank holds every expert's half of the intermediate features (and Qwen3-MoE's dense layer
+    its half of the MLP); one all-reduce per MoE block."""
+    folder = str(tiny_model_factory(arch))
+    with LLM(folder, executor="uni", max_model_len=MAX_MODEL_LEN) as llm:
+        greedy, seeded = token_ids(llm, GREEDY), token_ids(llm, SEEDED)
+    with LLM(folder, max_model_len=MAX_MODEL_LEN, tensor_parallel_size=2) as llm:
+        assert token_ids(llm, GREEDY) == greedy
+        assert token_ids(llm, SEEDED) == seeded
