@@ -2,6 +2,10 @@
 
 llama.cpp's converter permutes the rows of Q and K for Llama-style models (its RoPE pairs adjacent
 dimensions, HF checkpoints pair the two halves); we undo that so one model implementation serves both.
+
+Mixtures of experts (llama.cpp's `qwen3moe`, and `llama` with an expert count for Mixtral) store each
+layer's experts as 3-D tensors (ffn_gate_exps, ffn_up_exps, ffn_down_exps: [E, rows, cols]); they are
+read as one HF-named matrix per expert (model.layers.N.mlp.experts.E.gate_proj.weight, ...).
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ import torch
 from stepahead.models.loading.weights import WeightHandle
 
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                      "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                      "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                      "qwen3moe": "Qwen3MoeForCausalLM"}
+MIXTRAL = "MixtralForCausalLM"  # llama.cpp writes Mixtral as `llama` with an expert count
 # Architectures whose converter permutes Q/K rows.
 PERMUTED_ARCHITECTURES = {"llama", "mistral"}
 
@@ -24,8 +30,10 @@ _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "ffn_gate_inp": "mlp.gate",
 }
+# A layer's experts stacked in one tensor -> the HF name of one expert's matrix
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -80,12 +88,43 @@ def read_gguf_config(path: str) -> tuple[str, dict]:
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
     }
+    experts = _field(reader, f"{arch}.expert_count")
+    if experts:
+        cfg.update(_moe_config(reader, arch, int(experts), names, cfg))
     scaling = _field(reader, f"{arch}.rope.scaling.type")
     if scaling == "linear":
         cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(_field(reader, f"{arch}.rope.scaling.factor"))}
     elif scaling not in (None, "none"):
         raise ValueError(f"GGUF rope scaling {scaling!r} is not supported")
-    return GGUF_ARCHITECTURES[arch], cfg
+    return cfg["architectures"][0], cfg
+
+
+def _moe_config(reader, arch: str, experts: int, names: set[str], cfg: dict) -> dict:
+    """The config.json fields of a mixture of experts. llama.cpp's qwen3moe renormalises the top-k
+    weights unless the file says otherwise; a layer without a router (ffn_gate_inp) is dense."""
+    if arch not in ("llama", "qwen3moe"):
+        raise ValueError(f"GGUF architecture {arch!r} with experts is not supported")
+    moe: dict = {"num_experts": experts, "num_experts_per_tok": int(_field(reader, f"{arch}.expert_used_count"))}
+    if arch == "llama":
+        return {**moe, "architectures": [MIXTRAL]}
+    expert_ffn = int(_field(reader, f"{arch}.expert_feed_forward_length"))
+    layers = range(cfg["num_hidden_layers"])
+    return {**moe, "moe_intermediate_size": expert_ffn,
+            "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length", expert_ffn)),
+            "norm_topk_prob": bool(_field(reader, f"{arch}.expert_weights_norm", True)),
+            "mlp_only_layers": [i for i in layers if f"blk.{i}.ffn_gate_inp.weight" not in names]}
+
+
+def expert_tensor(name: str) -> tuple[str, str] | None:
+    """(layer index, HF projection) of a layer's stacked experts (blk.N.ffn_up_exps.weight), else None."""
+    parts = name.split(".")
+    if parts[0] != "blk" or parts[2] not in _EXPERT_NAMES:
+        return None
+    return parts[1], _EXPERT_NAMES[parts[2]]
+
+
+def expert_hf_name(layer: str, projection: str, expert: int) -> str:
+    return f"model.layers.{layer}.mlp.experts.{expert}.{projection}.weight"
 
 
 def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -125,6 +164,13 @@ def iter_gguf_weight_handles(path: str, cfg: dict) -> Iterator[tuple[str, Weight
     when the model reads it, so a pipeline stage never reads the layers of other stages."""
     reader = open_reader(path)
     for t in reader.tensors:
+        stacked = expert_tensor(t.name)
+        if stacked is not None:
+            shape = tuple(int(d) for d in reversed(t.shape))
+            for e in range(shape[0]):
+                read = functools.partial(_read_gguf_slice, t, shape[1:], None, expert=e)
+                yield expert_hf_name(*stacked, e), WeightHandle(shape[1:], read)
+            continue
         name = hf_name(t.name)
         if name is None:
             if t.name.startswith("rope_freqs"):
@@ -136,10 +182,12 @@ def iter_gguf_weight_handles(path: str, cfg: dict) -> Iterator[tuple[str, Weight
 
 
 def _read_gguf_slice(t, shape: tuple[int, ...], heads: int | None, dim: int, start: int,
-                     length: int) -> torch.Tensor:
+                     length: int, expert: int | None = None) -> torch.Tensor:
+    """A slice of the tensor, or of one expert's matrix (its first index) in a stacked experts tensor."""
     from gguf.quants import dequantize
 
-    w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+    data = t.data if expert is None else t.data[expert]
+    w = np.asarray(dequantize(data, t.tensor_type), dtype=np.float32).reshape(shape)
     if heads is not None:
         w = unpermute_qk(w, heads)
     if w.ndim:
