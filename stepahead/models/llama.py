@@ -24,7 +24,7 @@ from stepahead.distributed.state import SINGLE, ParallelState
 from stepahead.kernels import cpu_ops
 from stepahead.kernels.cpu_decode_stack import build_decode_stack
 from stepahead.models.loading.weights import as_handle
-from stepahead.models.moe import MoeArgs, MoeBlock
+from stepahead.models.moe import DenseExperts, MoeArgs, MoeBlock
 from stepahead.models.parallel_layers import (
     ColumnParallelLinear,
     ParallelLinear,
@@ -307,6 +307,12 @@ class LlamaForCausalLM(nn.Module):
                 module.use_onednn()
         if isinstance(self.lm_head, ParallelLMHead):
             self.lm_head.use_onednn()
+
+    def can_capture_graphs(self) -> bool:
+        """Whether a decode step runs without waiting on the device, as a CUDA graph needs: not so for
+        experts that run one product per expert (they read each expert's row count on the host)."""
+        return all(isinstance(m.experts, DenseExperts) and m.experts.runs_grouped()
+                   for m in self.modules() if isinstance(m, MoeBlock))
 
     def init_rope(self, max_positions: int, dtype: torch.dtype, device) -> None:
         pos = torch.arange(max_positions, dtype=torch.float64)

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from stepahead.models.llama import check_parallel_sizes
+from stepahead.models.llama import LlamaForCausalLM, check_parallel_sizes
 from stepahead.models.moe import DenseExperts, ExpertGroups, MoeArgs, MoeBlock, route
 from stepahead.models.moe_families import mixtral_args, qwen3_moe_args
 
@@ -104,3 +104,20 @@ def test_the_configs_say_which_layers_are_sparse_and_how_weights_are_normalised(
     m = mixtral_args("MixtralForCausalLM", cfg)
     assert m.moe is not None and m.moe.sparse_layers == tuple(range(6)) and m.moe.renormalize and not m.qk_norm
     assert m.moe.intermediate_size == 64  # Mixtral's experts are intermediate_size wide
+
+
+def test_only_grouped_experts_let_a_cuda_graph_hold_the_step():
+    """Grouped: CPU in any dtype; elsewhere bfloat16 only (torch's grouped CUDA kernel), checked on the
+    meta device; rows must be 16-byte aligned. Otherwise experts read their row counts on the host."""
+    assert DenseExperts(4, 32, 16).runs_grouped()
+    assert not DenseExperts(4, 30, 10).runs_grouped()  # rows of 30 and 10 floats
+    assert not DenseExperts(4, 32, 16).to("meta").runs_grouped()
+    assert DenseExperts(4, 32, 16).to("meta", torch.bfloat16).runs_grouped()
+    cfg = dict(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+    model = LlamaForCausalLM(mixtral_args("MixtralForCausalLM", cfg))
+    assert model.can_capture_graphs()
+    model.to("meta")
+    assert not model.can_capture_graphs()
+    model.to(torch.bfloat16)
+    assert model.can_capture_graphs()
