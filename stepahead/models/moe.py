@@ -3,9 +3,10 @@ and the block returns the routing-weighted sum of those experts' SwiGLU MLPs.
 
 Experts run grouped: the step's (token, expert) pairs are sorted by expert, so each expert multiplies
 one contiguous run of rows and its weights are read once per step however many tokens chose it.
-Dense experts (3-D weights) run as two `torch._grouped_mm` calls over every expert at once (no host
-synchronisation, so a CUDA graph can hold it); packed experts (models/quant) and shapes the grouped
-call cannot take run one matrix product per expert that has rows, never one per token.
+On CPU (dense or packed experts, models/quant) that is one matrix product per expert that has rows,
+never one per token. On CUDA, bfloat16 experts run as two `torch._grouped_mm` calls over every expert
+at once (no host synchronisation, so a CUDA graph can hold the step); not run on a GPU here. On CPU
+torch's grouped call multiplies every expert, rows or not, so the per-expert loop is the faster.
 
 With tensor parallelism each rank holds every expert's slice of the intermediate features (gate/up
 rows split, down columns split, as vLLM splits them) and the block ends in one all-reduce; the router
@@ -97,6 +98,14 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """Every expert's SwiGLU MLP over its run of x's rows (sorted by expert) in two grouped GEMMs:
+    gate_up [E, 2 * I, H], down [E, H, I] -> [N, H]."""
+    offsets = counts.cumsum(0).to(torch.int32)
+    h = swiglu(torch._grouped_mm(x, gate_up.transpose(1, 2), offs=offsets))
+    return torch._grouped_mm(h, down.transpose(1, 2), offs=offsets)
+
+
 class DenseExperts(nn.Module):
     """Every expert's weights in the model's dtype: gate_up_proj [E, 2 * I, H] (gate rows, then up rows,
     this rank's slice of each) and down_proj [E, H, I]."""
@@ -108,18 +117,17 @@ class DenseExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
     def runs_grouped(self) -> bool:
-        """Whether forward is two grouped GEMMs (else one product per expert, with a host sync):
-        CPU in any dtype, CUDA in bfloat16 (torch's grouped kernel), row strides 16-byte aligned."""
+        """Whether forward is two grouped GEMMs (else one product per expert that has rows, reading the
+        row counts on the host): off the CPU, in bfloat16 (torch's grouped CUDA kernel), with row
+        strides 16-byte aligned."""
         w = self.down_proj
         aligned = all(n * w.element_size() % _GROUPED_ALIGNMENT_BYTES == 0 for n in w.shape[1:])
-        return aligned and (w.device.type == "cpu" or w.dtype == torch.bfloat16)
+        return aligned and w.device.type != "cpu" and w.dtype == torch.bfloat16
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [N, H]: rows sorted by expert, counts[e] of them for expert e -> [N, H]."""
         if self.runs_grouped():
-            offsets = counts.cumsum(0).to(torch.int32)
-            h = swiglu(torch._grouped_mm(x, self.gate_up_proj.transpose(1, 2), offs=offsets))
-            return torch._grouped_mm(h, self.down_proj.transpose(1, 2), offs=offsets)
+            return grouped_swiglu(x, counts, self.gate_up_proj, self.down_proj)
         return run_each_expert(x, counts, x.shape[1], lambda e, rows: F.linear(
             swiglu(F.linear(rows, self.gate_up_proj[e])), self.down_proj[e]))
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from stepahead.models.llama import LlamaForCausalLM, check_parallel_sizes
-from stepahead.models.moe import DenseExperts, ExpertGroups, MoeArgs, MoeBlock, route
+from stepahead.models.moe import DenseExperts, ExpertGroups, MoeArgs, MoeBlock, grouped_swiglu, route
 from stepahead.models.moe_families import mixtral_args, qwen3_moe_args
 
 
@@ -66,14 +66,12 @@ def _per_token_reference(block: MoeBlock, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("hidden, inter, grouped", [(32, 16, True), (30, 10, False)])
+@pytest.mark.parametrize("hidden, inter", [(32, 16), (30, 10)])
 @pytest.mark.parametrize("top_k, renormalize", [(1, False), (2, True), (3, False)])
-def test_the_block_is_the_per_token_sum_of_its_experts(hidden, inter, grouped, top_k, renormalize):
-    """Grouped GEMMs where the shapes allow, one product per expert otherwise; an expert no token
-    chose (8 experts, few tokens) is skipped."""
+def test_the_block_is_the_per_token_sum_of_its_experts(hidden, inter, top_k, renormalize):
+    """One product per expert with rows on CPU; an expert no token chose (8 experts, few tokens) is skipped."""
     moe = MoeArgs(num_experts=8, top_k=top_k, intermediate_size=inter, renormalize=renormalize, sparse_layers=(0,))
     block = _block(hidden, moe)
-    assert isinstance(block.experts, DenseExperts) and block.experts.runs_grouped() == grouped
     x = torch.randn(5, hidden, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(block(x), _per_token_reference(block, x), rtol=1e-5, atol=1e-5)
@@ -106,18 +104,29 @@ def test_the_configs_say_which_layers_are_sparse_and_how_weights_are_normalised(
     assert m.moe.intermediate_size == 64  # Mixtral's experts are intermediate_size wide
 
 
+def test_grouped_gemms_give_the_per_expert_products():
+    """The CUDA path's two grouped calls, run here by torch's CPU implementation: each expert's rows
+    (none for some) against that expert's weights."""
+    gen = torch.Generator().manual_seed(2)
+    experts = DenseExperts(4, 32, 16)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    x, counts = torch.randn(7, 32, generator=gen), torch.tensor([3, 0, 4, 0])
+    grouped = grouped_swiglu(x, counts, experts.gate_up_proj.detach(), experts.down_proj.detach())
+    torch.testing.assert_close(grouped, experts(x, counts).detach(), rtol=1e-6, atol=1e-6)
+
+
 def test_only_grouped_experts_let_a_cuda_graph_hold_the_step():
-    """Grouped: CPU in any dtype; elsewhere bfloat16 only (torch's grouped CUDA kernel), checked on the
-    meta device; rows must be 16-byte aligned. Otherwise experts read their row counts on the host."""
-    assert DenseExperts(4, 32, 16).runs_grouped()
-    assert not DenseExperts(4, 30, 10).runs_grouped()  # rows of 30 and 10 floats
-    assert not DenseExperts(4, 32, 16).to("meta").runs_grouped()
+    """Grouped: off the CPU in bfloat16 only (torch's grouped CUDA kernel), checked on the meta device,
+    with rows 16-byte aligned. Otherwise experts read their row counts on the host."""
+    assert not DenseExperts(4, 32, 16).to(torch.bfloat16).runs_grouped()  # CPU: one product per expert
     assert DenseExperts(4, 32, 16).to("meta", torch.bfloat16).runs_grouped()
+    assert not DenseExperts(4, 32, 16).to("meta").runs_grouped()  # float32
+    assert not DenseExperts(4, 36, 12).to("meta", torch.bfloat16).runs_grouped()  # rows of 36 and 12 halves
     cfg = dict(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
-    model = LlamaForCausalLM(mixtral_args("MixtralForCausalLM", cfg))
-    assert model.can_capture_graphs()
-    model.to("meta")
+    model = LlamaForCausalLM(mixtral_args("MixtralForCausalLM", cfg)).to("meta")
     assert not model.can_capture_graphs()
     model.to(torch.bfloat16)
     assert model.can_capture_graphs()
