@@ -78,13 +78,13 @@ def test_pipeline_depth3_preemption_and_abort_in_flight(tiny_llama, single_rank_
         assert {"wait_hidden", "forward", "sample"} <= {e.name for e in lanes["stage 1"]}
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
-def test_moe_tensor_parallel_equals_one_rank(tiny_model_factory, arch):
-    """Each rank holds every expert's half of the intermediate features (and Qwen3-MoE's dense layer
-    its half of the MLP); one all-reduce per MoE block."""
+@pytest.mark.parametrize("arch, name", [("qwen3_moe", "tp2"), ("mixtral", "tp2"), ("mixtral", "pp2_async")])
+def test_moe_parallel_equals_one_rank(tiny_model_factory, arch, name):
+    """TP: each rank holds every expert's half of the intermediate features (and Qwen3-MoE's dense
+    layer its half of the MLP), one all-reduce per MoE block. PP: each stage its layers' experts."""
     folder = str(tiny_model_factory(arch))
     with LLM(folder, executor="uni", max_model_len=MAX_MODEL_LEN) as llm:
         greedy, seeded = token_ids(llm, GREEDY), token_ids(llm, SEEDED)
-    with LLM(folder, max_model_len=MAX_MODEL_LEN, tensor_parallel_size=2) as llm:
+    with LLM(folder, max_model_len=MAX_MODEL_LEN, **CONFIGS[name]) as llm:
         assert token_ids(llm, GREEDY) == greedy
         assert token_ids(llm, SEEDED) == seeded

@@ -26,6 +26,8 @@ CONFIGS = {
     # 7 usable blocks of 16 tokens for prompts ending a token short of a block: requests preempt each other
     "preempt": dict(num_kv_blocks=8),
     "preempt_sync": dict(num_kv_blocks=8, async_scheduling=False),
+    # the CUDA configuration's attention kernels and async outputs, through Triton's interpreter
+    "triton": dict(attention_backend="triton", async_output=True),
 }
 
 
