@@ -21,6 +21,7 @@ VOCAB_SIZE = 2048
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 GEMMA_ARCHS = ("gemma2", "gemma3")
+MOE_ARCHS = ("qwen3_moe", "mixtral")
 
 
 def _training_text() -> list[str]:
@@ -83,6 +84,15 @@ def tiny_config(arch: str = "llama", **overrides):
         return transformers.Phi3Config(**common)
     if arch in GEMMA_ARCHS:
         return _gemma_config(arch, common)
+    if arch == "qwen3_moe":  # 8 experts, the middle layer dense (mlp_only_layers)
+        moe = dict(num_hidden_layers=3, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                   mlp_only_layers=[1], norm_topk_prob=False, decoder_sparse_step=1)
+        cfg = {**common, **moe, **overrides}
+        cfg["mlp_only_layers"] = list(cfg["mlp_only_layers"])  # a tuple in overrides, which must hash
+        return transformers.Qwen3MoeConfig(head_dim=16, **cfg)
+    if arch == "mixtral":
+        moe = dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32)
+        return transformers.MixtralConfig(sliding_window=None, **{**common, **moe, **overrides})
     raise ValueError(f"unknown tiny arch {arch!r}")
 
 

@@ -17,9 +17,11 @@ from stepahead.models.quant.quantized_linear import Int4Linear
 
 def build_decode_stack(model):
     """A DecodeStack over the model's layers, or None unless every projection of every layer runs
-    stepahead's int4 kernel (other packings, torch's kernel, Qwen3's per-head norms, rope over part of each head, sliding windows
-    or soft-capped attention, tensor or pipeline ranks: those steps keep the Python path)."""
-    if model.ps.world_size > 1 or model.args.qk_norm or model.args.partial_rotary_factor != 1.0 or not model.layers:
+    stepahead's int4 kernel (other packings, torch's kernel, Qwen3's per-head norms, rope over part of
+    each head, sliding windows or soft-capped attention, mixtures of experts, tensor or pipeline ranks: those steps keep the Python path)."""
+    args = model.args
+    if (model.ps.world_size > 1 or args.qk_norm or args.partial_rotary_factor != 1.0
+            or getattr(args, "moe", None) is not None or not model.layers):
         return None
     if any(layer.self_attn.window is not None or layer.self_attn.softcap is not None for layer in model.layers):
         return None

@@ -126,7 +126,7 @@ class GemmaMLP(llama.MLP):
 
 
 class GemmaDecoderLayer(nn.Module):
-    def __init__(self, a: GemmaArgs, ps: ParallelState = SINGLE, window: int | None = None) -> None:
+    def __init__(self, a: GemmaArgs, ps: ParallelState = SINGLE, window: int | None = None, index: int = 0) -> None:
         super().__init__()
         self.self_attn = GemmaAttention(a, ps, window)
         self.mlp = GemmaMLP(a, ps)

@@ -1,4 +1,6 @@
-"""The Llama family in one implementation: Llama, Mistral, Qwen2 (qkv bias), Qwen3 (per-head q/k RMSNorm).
+"""The Llama family in one implementation: Llama, Mistral, Qwen2 (qkv bias), Qwen3 (per-head q/k RMSNorm),
+and the mixtures of experts built on it (Qwen3-MoE, Mixtral: LlamaArgs.moe, the MLP of their sparse layers
+a models/moe.py MoeBlock; their arguments in models/moe_families.py).
 
 Forward takes the flattened tokens of a mixed prefill + decode batch, their positions, the paged KV
 cache and the step's attention metadata (built by the runner's attention backend); it returns hidden states, and compute_logits maps the rows
@@ -7,6 +9,7 @@ that sample to vocabulary logits.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -22,6 +25,7 @@ from stepahead.distributed.state import SINGLE, ParallelState
 from stepahead.kernels import cpu_ops
 from stepahead.kernels.cpu_decode_stack import build_decode_stack
 from stepahead.models.loading.weights import as_handle
+from stepahead.models.moe import DenseExperts, MoeArgs, MoeBlock
 from stepahead.models.parallel_layers import (
     ColumnParallelLinear,
     ParallelLinear,
@@ -57,8 +61,14 @@ class LlamaArgs:
     partial_rotary_factor: float = 1.0  # the share of each head's features rope rotates (models/rope.py)
     sliding_windows: tuple[int | None, ...] = ()  # each layer's attention window; () for none (models/windows.py)
 
+    moe: MoeArgs | None = None  # experts of the sparse layers (None: every layer's MLP is dense)
+
+
     def window_of(self, layer: int) -> int | None:
         return self.sliding_windows[layer] if self.sliding_windows else None
+
+    def is_sparse(self, layer: int) -> bool:
+        return self.moe is not None and layer in self.moe.sparse_layers
 
     @staticmethod
     def from_hf_config(arch: str, cfg: dict) -> LlamaArgs:
@@ -130,8 +140,11 @@ def check_parallel_sizes(a: LlamaArgs, tp: int, pp: int) -> None:
     if a.num_kv_heads % tp and tp % a.num_kv_heads:
         raise ValueError(f"tensor_parallel_size={tp} and num_key_value_heads={a.num_kv_heads}: one must divide "
                          "the other (KV heads are split across ranks, or replicated when fewer than ranks)")
-    if a.intermediate_size % tp:
+    if a.intermediate_size % tp and not all(a.is_sparse(i) for i in range(a.num_layers)):
         raise ValueError(f"tensor_parallel_size={tp} does not divide intermediate_size={a.intermediate_size}")
+    if a.moe is not None and a.moe.intermediate_size % tp:
+        raise ValueError(f"tensor_parallel_size={tp} does not divide the experts' intermediate size "
+                         f"{a.moe.intermediate_size}")
 
 
 def stage_layers(num_layers: int, ps: ParallelState) -> range:
@@ -197,10 +210,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, a: LlamaArgs, ps: ParallelState = SINGLE, window: int | None = None) -> None:
+    def __init__(self, a: LlamaArgs, ps: ParallelState = SINGLE, window: int | None = None, index: int = 0) -> None:
+        """window: the layer's attention window; index: its global index (which decides whether its MLP
+        is a MoE block)."""
         super().__init__()
         self.self_attn = Attention(a, ps, window)
-        self.mlp = MLP(a, ps)
+        self.mlp: MLP | MoeBlock = MoeBlock(a.hidden_size, a.moe, ps) if a.moe and a.is_sparse(index) else MLP(a, ps)
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.fused_add_norm = None  # CUDA: triton_fused.add_rms_norm (LlamaForCausalLM.use_triton_fused)
@@ -214,6 +229,30 @@ class DecoderLayer(nn.Module):
             h = h + attn
             normed = self.post_attention_layernorm(h)
         return h + self.mlp(normed, prompt_rows)
+
+
+# Mixtral's checkpoint names for the MoE block and its experts' matrices -> Qwen3-MoE's, which the model uses.
+_MIXTRAL_NAMES = (("block_sparse_moe.", "mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."),
+                  (".w2.", ".down_proj."))
+_EXPERT_WEIGHT = re.compile(r"\.mlp\.experts\.(\d+)\.")
+
+
+def checkpoint_name(name: str) -> str:
+    """A checkpoint tensor's name in the model's terms (Mixtral's block_sparse_moe.experts.E.w1 ->
+    mlp.experts.E.gate_proj, ...); other names as they are."""
+    if "block_sparse_moe." in name:
+        for old, new in _MIXTRAL_NAMES:
+            name = name.replace(old, new)
+    return name
+
+
+def _expert_of(name: str) -> tuple[int | None, str]:
+    """(expert index, the name without it) for one expert's matrix (layers.0.mlp.experts.3.up_proj.weight ->
+    3, layers.0.mlp.experts.up_proj.weight); (None, name) for any other weight."""
+    m = _EXPERT_WEIGHT.search(name)
+    if m is None:
+        return None, name
+    return int(m.group(1)), name[:m.start()] + ".mlp.experts." + name[m.end():]
 
 
 class ShardRead(NamedTuple):
@@ -236,7 +275,7 @@ class LlamaForCausalLM(nn.Module):
     A family that shares the weight layout and loading (models/gemma.py) brings its own layer and norm
     classes and overrides embed() and forward()."""
 
-    layer_class: type[nn.Module] = DecoderLayer  # built as layer_class(args, ps, window)
+    layer_class: type[nn.Module] = DecoderLayer  # built as layer_class(args, ps, window, global index)
     norm_class: type[RMSNorm] = RMSNorm
 
     def __init__(self, a: LlamaArgs, ps: ParallelState = SINGLE) -> None:
@@ -247,7 +286,7 @@ class LlamaForCausalLM(nn.Module):
         self.shard = RankShard.of(a, ps)
         has_embedding = ps.is_first_stage or (ps.is_last_stage and a.tie_word_embeddings)
         self.embed_tokens = VocabParallelEmbedding(a.vocab_size, a.hidden_size, ps) if has_embedding else None
-        self.layers = nn.ModuleList(self.layer_class(a, ps, a.window_of(i)) for i in self.layer_range)
+        self.layers = nn.ModuleList(self.layer_class(a, ps, a.window_of(i), i) for i in self.layer_range)
         self.norm = self.norm_class(a.hidden_size, a.rms_norm_eps) if ps.is_last_stage else None
         self.lm_head = None
         if ps.is_last_stage:
@@ -291,6 +330,12 @@ class LlamaForCausalLM(nn.Module):
                 module.use_onednn()
         if isinstance(self.lm_head, ParallelLMHead):
             self.lm_head.use_onednn()
+
+    def can_capture_graphs(self) -> bool:
+        """Whether a decode step runs without waiting on the device, as a CUDA graph needs: not so for
+        experts that run one product per expert (they read each expert's row count on the host)."""
+        return all(isinstance(m.experts, DenseExperts) and m.experts.runs_grouped()
+                   for m in self.modules() if isinstance(m, MoeBlock))
 
     def init_rope(self, max_positions: int, dtype: torch.dtype, device) -> None:
         self.rope_cache = rope_cos_sin(self.args, max_positions, dtype, device)
@@ -353,8 +398,22 @@ class LlamaForCausalLM(nn.Module):
         fused = {"q_proj": "self_attn.qkv_proj", "k_proj": "self_attn.qkv_proj", "v_proj": "self_attn.qkv_proj",
                  "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_up_proj", "up_proj": "mlp.gate_up_proj",
                  "down_proj": "mlp.down_proj"}
-        return {f"{fused[part].split('.')[0]}.{part}.": (f"{fused[part]}.", (read,))
-                for part, read in self.part_reads().items()}
+        reads = {f"{fused[part].split('.')[0]}.{part}.": (f"{fused[part]}.", (read,))
+                 for part, read in self.part_reads().items()}
+        return {**reads, **self.expert_reads()}
+
+    def expert_reads(self) -> dict[str, tuple[str, tuple[ShardRead, ...]]]:
+        """One expert's matrices (a checkpoint tensor each), into its row of the stacked [E, ...]
+        parameters: this rank's slice of the expert's intermediate features."""
+        a, ps = self.args, self.ps
+        if a.moe is None:
+            return {}
+        full = a.moe.intermediate_size
+        local = full // ps.tp_size
+        start = ps.tp_rank * local
+        return {"mlp.experts.gate_proj.": ("mlp.experts.gate_up_proj.", (ShardRead(0, 0, start, local, full),)),
+                "mlp.experts.up_proj.": ("mlp.experts.gate_up_proj.", (ShardRead(local, 0, start, local, full),)),
+                "mlp.experts.down_proj.": ("mlp.experts.down_proj.", (ShardRead(None, 1, start, local, full),))}
 
     @torch.no_grad()
     def load_weights(self, weights) -> None:
@@ -365,7 +424,7 @@ class LlamaForCausalLM(nn.Module):
         split = self.shard_reads()
         seen: set[str] = set()
         for name, w in weights:
-            name = name.removeprefix("model.")
+            name = checkpoint_name(name.removeprefix("model."))
             if "rotary_emb" in name:
                 continue
             if name == "lm_head.weight" and a.tie_word_embeddings:
@@ -374,13 +433,20 @@ class LlamaForCausalLM(nn.Module):
             if local is None:  # another stage's
                 continue
             handle = as_handle(w)
-            target, reads = local, None
+            expert, of_experts = _expert_of(local)
+            target, reads = of_experts, None
             for proj, (fused, proj_reads) in split.items():
-                if proj in local:
-                    target, reads = local.replace(proj, fused), proj_reads
+                if proj in of_experts:
+                    target, reads = of_experts.replace(proj, fused), proj_reads
+            if expert is not None:
+                target = target.removesuffix(".weight")  # the stacked parameter itself
             if target not in params:
                 raise ValueError(f"unexpected weight {name!r} for {a.architecture}")
             p = params[target]
+            if expert is not None:
+                if expert >= p.shape[0]:
+                    raise ValueError(f"weight {name!r}: expert {expert} of a model with {p.shape[0]} experts")
+                p = p[expert]
             if local in ("embed_tokens.weight", "lm_head.weight"):
                 vocab_start, _ = vocab_shard(a.vocab_size, ps)
                 rows = max(0, min(p.shape[0], handle.shape[0] - vocab_start))
@@ -431,7 +497,12 @@ class LlamaForCausalLM(nn.Module):
         for proj, (fused, _) in self.shard_reads().items():
             sources.setdefault(fused, []).append(proj)
         names = []
-        for n, _ in self.named_parameters():
+        for n, p in self.named_parameters():
+            if n.endswith(".experts.gate_up_proj") or n.endswith(".experts.down_proj"):
+                stem, _, fused_name = n.rpartition(".")
+                parts = ("gate_proj", "up_proj") if fused_name == "gate_up_proj" else ("down_proj",)
+                names += [f"{stem}.{e}.{part}.weight" for e in range(p.shape[0]) for part in parts]
+                continue
             fused = next((f for f in sources if f in n), None)
             names += [n] if fused is None else [n.replace(fused, proj) for proj in sources[fused]]
         return names

@@ -32,6 +32,7 @@ class CausalLM(Protocol):
     def use_triton_fused(self) -> None: ...
     def use_onednn(self) -> None: ...
     def init_rope(self, max_positions: int, dtype: torch.dtype, device: Any) -> None: ...
+    def can_capture_graphs(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ class ModelFamily:
 
 
 def _families() -> tuple[ModelFamily, ...]:
-    from stepahead.models import gemma, llama, phi3
+    from stepahead.models import gemma, llama, moe_families, phi3
 
     return (
         ModelFamily("Llama", llama.SUPPORTED_ARCHITECTURES, llama.LlamaArgs.from_hf_config,
@@ -57,6 +58,10 @@ def _families() -> tuple[ModelFamily, ...]:
                     llama.check_parallel_sizes),
         ModelFamily("Gemma", gemma.SUPPORTED_ARCHITECTURES, gemma.GemmaArgs.from_hf_config,
                     gemma.GemmaForCausalLM, llama.check_parallel_sizes),
+        ModelFamily("Qwen3-MoE", moe_families.QWEN3_MOE_ARCHITECTURES, moe_families.qwen3_moe_args,
+                    llama.LlamaForCausalLM, llama.check_parallel_sizes),
+        ModelFamily("Mixtral", moe_families.MIXTRAL_ARCHITECTURES, moe_families.mixtral_args,
+                    llama.LlamaForCausalLM, llama.check_parallel_sizes),
     )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 _PATTERNS = {
     "MistralForCausalLM": lambda i, cfg: True,
     "Phi3ForCausalLM": lambda i, cfg: True,
+    "MixtralForCausalLM": lambda i, cfg: True,
     "Qwen2ForCausalLM": lambda i, cfg: i >= cfg.get("max_window_layers", 0),
     "Qwen3ForCausalLM": lambda i, cfg: i >= cfg.get("max_window_layers", 0),
     "Gemma2ForCausalLM": lambda i, cfg: (i + 1) % 2 != 0,

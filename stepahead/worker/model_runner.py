@@ -160,10 +160,11 @@ class ModelRunner:
         elif self.device.type == "cuda":  # compile the kernels a prefill uses before the first request
             kv_memory.dummy_step(self, min(64, sched_config.max_num_batched_tokens, 2 * sched_config.max_model_len), 2)
         self.kv_cache = self.new_kv_cache(self.num_kv_blocks)
-        # Decode-only steps replay a captured forward pass: CUDA with the Triton backend, unless eager.
+        # Decode-only steps replay a captured forward pass: CUDA with the Triton backend, unless eager
+        # or the model waits on the device within a step (experts run one at a time, models/moe.py).
         self.decode_graphs: DecodeGraphs | None = None
         if (self.device.type == "cuda" and config.attention_backend == "triton" and not config.enforce_eager
-                and ps.world_size == 1):
+                and ps.world_size == 1 and self.model.can_capture_graphs()):
             self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, sched_config.max_num_seqs,
                                               max_blocks_per_seq, self.device)
             self.decode_graphs.capture()

@@ -113,3 +113,15 @@ def test_gemma_parallel_matches_transformers(tiny_model_factory, arch, name):
     with LLM(str(folder), max_model_len=MAX_MODEL_LEN, **CONFIGS[name]) as llm:
         got = token_ids(llm, GREEDY)
     assert got == hf_greedy(folder, [p["prompt_token_ids"] for p in prompts()], GREEDY.max_tokens)
+
+
+@pytest.mark.parametrize("arch, name", [("qwen3_moe", "tp2"), ("mixtral", "tp2"), ("mixtral", "pp2_async")])
+def test_moe_parallel_equals_one_rank(tiny_model_factory, arch, name):
+    """TP: each rank holds every expert's half of the intermediate features (and Qwen3-MoE's dense
+    layer its half of the MLP), one all-reduce per MoE block. PP: each stage its layers' experts."""
+    folder = str(tiny_model_factory(arch))
+    with LLM(folder, executor="uni", max_model_len=MAX_MODEL_LEN) as llm:
+        greedy, seeded = token_ids(llm, GREEDY), token_ids(llm, SEEDED)
+    with LLM(folder, max_model_len=MAX_MODEL_LEN, **CONFIGS[name]) as llm:
+        assert token_ids(llm, GREEDY) == greedy
+        assert token_ids(llm, SEEDED) == seeded

@@ -14,16 +14,40 @@ def _llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, hd // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+# HF expert matrix (Qwen3-MoE's and Mixtral's names) -> llama.cpp's stacked experts tensor
+_EXPERT_KINDS = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": "ffn_up_exps",
+                 "w3": "ffn_up_exps", "down_proj": "ffn_down_exps", "w2": "ffn_down_exps"}
+
+
+def _stack_experts(sd: dict) -> dict:
+    """The state dict with each layer's expert matrices stacked into [E, rows, cols] tensors named
+    model.layers.N.<llama.cpp kind> (E in expert order), and routers named mlp.gate."""
+    import torch
+
+    out, experts = {}, {}
+    for name, t in sd.items():
+        parts = name.replace("block_sparse_moe.", "mlp.").split(".")
+        if parts[3:5] == ["mlp", "experts"]:
+            experts.setdefault((parts[2], _EXPERT_KINDS[parts[6]]), {})[int(parts[5])] = t
+        else:
+            out[".".join(parts)] = t
+    for (layer, kind), by_expert in experts.items():
+        out[f"model.layers.{layer}.{kind}.weight"] = torch.stack([by_expert[e] for e in sorted(by_expert)])
+    return out
+
+
 # The HF layer names, and Gemma's, as llama.cpp's converter names them.
 LAYER_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
                "self_attn.o_proj": "attn_output", "input_layernorm": "attn_norm",
                "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
                "mlp.down_proj": "ffn_down",
                # Phi-3: the checkpoint's fused projections, kept fused (gate_up as llama.cpp's ffn_up)
-               "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+               "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",
+               "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+               # a mixture of experts' router and stacked experts (_stack_experts)
+               "mlp.gate": "ffn_gate_inp", **{kind: kind for kind in _EXPERT_KINDS.values()}}
 GEMMA_LAYER_NAMES = {**LAYER_NAMES, "post_attention_layernorm": "post_attention_norm",
-                     "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
-                     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+                     "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
 
 
 def _gemma_metadata(w, cfg: dict, arch: str) -> None:
@@ -73,18 +97,28 @@ def write_gguf(folder, path, quant: dict[str, str] | None = None, arch: str | No
     """The tiny safetensors model at folder as a GGUF file at path (no tokenizer metadata).
 
     quant maps a GGUF tensor kind ("attn_q", "ffn_down", "output", ...) to the GGUF type it is
-    written in ("Q4_0", "Q4_1", "Q8_0"); other tensors are f32. arch "gemma2" / "gemma3": Gemma's
+    written in ("Q4_0", "Q4_1", "Q8_0", ...); other tensors are f32. arch None: from the config (Llama
+    as `llama`, Mixtral as `llama` with experts, Qwen3-MoE as `qwen3moe`, Phi-3 as `phi3`); "gemma2" / "gemma3": Gemma's
     metadata, tensor names and norm weights stored as 1 + w, as llama.cpp's converter writes them."""
     import gguf
     import gguf.quants
     from safetensors.torch import load_file
 
     cfg = json.loads((folder / "config.json").read_text())
-    sd = load_file(str(folder / "model.safetensors"))
+    sd = _stack_experts(load_file(str(folder / "model.safetensors")))
     if arch is None:
-        arch = "phi3" if cfg["architectures"] == ["Phi3ForCausalLM"] else "llama"
+        arch = {"Phi3ForCausalLM": "phi3", "Qwen3MoeForCausalLM": "qwen3moe"}.get(cfg["architectures"][0], "llama")
     gemma = arch in ("gemma2", "gemma3")
     w = gguf.GGUFWriter(str(path), arch)
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+    if arch == "qwen3moe":
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        w.add_expert_weights_norm(cfg["norm_topk_prob"])
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
@@ -113,9 +147,9 @@ def write_gguf(folder, path, quant: dict[str, str] | None = None, arch: str | No
         if name.startswith("model.layers."):
             _, _, i, *rest = name.split(".")
             base, kind = ".".join(rest[:-1]), rest[-1]
-            if base == "self_attn.q_proj" and not gemma:
+            if base == "self_attn.q_proj" and arch == "llama":
                 a = _llamacpp_permute(a, cfg["num_attention_heads"])
-            elif base == "self_attn.k_proj" and not gemma:
+            elif base == "self_attn.k_proj" and arch == "llama":
                 a = _llamacpp_permute(a, cfg["num_key_value_heads"])
             gname = f"blk.{i}.{names[base]}.{kind}"
         else:

@@ -4,6 +4,10 @@ llama.cpp's converter permutes the rows of Q and K for Llama-style models (its R
 dimensions, HF checkpoints pair the two halves); we undo that so one model implementation serves both.
 Phi-3 files keep the checkpoint's fused attn_qkv and gate/up (as ffn_up) unpermuted, and LongRoPE's
 factors as the rope_factors_long/short tensors, which become the config's rope_scaling.
+
+Mixtures of experts (llama.cpp's `qwen3moe`, and `llama` with an expert count for Mixtral) store each
+layer's experts as 3-D tensors (ffn_gate_exps, ffn_up_exps, ffn_down_exps: [E, rows, cols]); they are
+read as one HF-named matrix per expert (model.layers.N.mlp.experts.E.gate_proj.weight, ...).
 """
 
 from __future__ import annotations
@@ -19,10 +23,12 @@ from stepahead.models.loading.weights import WeightHandle
 
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
+                      "qwen3moe": "Qwen3MoeForCausalLM",
                       "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 # llama.cpp's converter stores Gemma's RMSNorm weights as 1 + w (what the norm multiplies by); HF
 # checkpoints, and the model here, hold w.
 NORM_PLUS_ONE_ARCHITECTURES = {"gemma2", "gemma3"}
+MIXTRAL = "MixtralForCausalLM"  # llama.cpp writes Mixtral as `llama` with an expert count
 # Architectures whose converter permutes Q/K rows.
 PERMUTED_ARCHITECTURES = {"llama", "mistral"}
 
@@ -31,6 +37,7 @@ _LAYER_NAMES = {
     "attn_output": "self_attn.o_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "attn_qkv": "self_attn.qkv_proj",
+    "ffn_gate_inp": "mlp.gate",
 }
 # Gemma's four norms a layer: llama.cpp's ffn_norm is the one before the MLP.
 _GEMMA_LAYER_NAMES = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
@@ -38,6 +45,8 @@ _GEMMA_LAYER_NAMES = {"post_attention_norm": "post_attention_layernorm", "ffn_no
 # Where an architecture's tensor of that kind holds something else: Phi-3's ffn_up is gate_up_proj.
 _ARCH_LAYER_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"}, "gemma2": _GEMMA_LAYER_NAMES,
                      "gemma3": _GEMMA_LAYER_NAMES}
+# A layer's experts stacked in one tensor -> the HF name of one expert's matrix
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -92,6 +101,9 @@ def read_gguf_config(path: str) -> tuple[str, dict]:
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
     }
+    experts = _field(reader, f"{arch}.expert_count")
+    if experts:
+        cfg.update(_moe_config(reader, arch, int(experts), names, cfg))
     scaling = _field(reader, f"{arch}.rope.scaling.type")
     if scaling == "linear":
         cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(_field(reader, f"{arch}.rope.scaling.factor"))}
@@ -103,7 +115,35 @@ def read_gguf_config(path: str) -> tuple[str, dict]:
         cfg.update(_phi3_config(reader, cfg))
     if arch in NORM_PLUS_ONE_ARCHITECTURES:
         cfg.update(_gemma_config(reader, arch, cfg))
-    return GGUF_ARCHITECTURES[arch], cfg
+    return cfg["architectures"][0], cfg
+
+
+def _moe_config(reader, arch: str, experts: int, names: set[str], cfg: dict) -> dict:
+    """The config.json fields of a mixture of experts. llama.cpp's qwen3moe renormalises the top-k
+    weights unless the file says otherwise; a layer without a router (ffn_gate_inp) is dense."""
+    if arch not in ("llama", "qwen3moe"):
+        raise ValueError(f"GGUF architecture {arch!r} with experts is not supported")
+    moe: dict = {"num_experts": experts, "num_experts_per_tok": int(_field(reader, f"{arch}.expert_used_count"))}
+    if arch == "llama":
+        return {**moe, "architectures": [MIXTRAL]}
+    expert_ffn = int(_field(reader, f"{arch}.expert_feed_forward_length"))
+    layers = range(cfg["num_hidden_layers"])
+    return {**moe, "moe_intermediate_size": expert_ffn,
+            "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length", expert_ffn)),
+            "norm_topk_prob": bool(_field(reader, f"{arch}.expert_weights_norm", True)),
+            "mlp_only_layers": [i for i in layers if f"blk.{i}.ffn_gate_inp.weight" not in names]}
+
+
+def expert_tensor(name: str) -> tuple[str, str] | None:
+    """(layer index, HF projection) of a layer's stacked experts (blk.N.ffn_up_exps.weight), else None."""
+    parts = name.split(".")
+    if parts[0] != "blk" or parts[2] not in _EXPERT_NAMES:
+        return None
+    return parts[1], _EXPERT_NAMES[parts[2]]
+
+
+def expert_hf_name(layer: str, projection: str, expert: int) -> str:
+    return f"model.layers.{layer}.mlp.experts.{expert}.{projection}.weight"
 
 
 def _yarn_scaling(reader, arch: str, context: int) -> dict:
@@ -221,6 +261,13 @@ def iter_gguf_weight_handles(path: str, cfg: dict) -> Iterator[tuple[str, Weight
     reader = open_reader(path)
     arch = cfg.get("gguf_arch")
     for t in reader.tensors:
+        stacked = expert_tensor(t.name)
+        if stacked is not None:
+            shape = tuple(int(d) for d in reversed(t.shape))
+            for e in range(shape[0]):
+                read = functools.partial(_read_gguf_slice, t, shape[1:], None, 0.0, expert=e)
+                yield expert_hf_name(*stacked, e), WeightHandle(shape[1:], read)
+            continue
         name = hf_name(t.name, arch)
         if name is None:
             if t.name.startswith(("rope_freqs", "rope_factors_")):  # rope's own tables (read into the config)
@@ -233,11 +280,13 @@ def iter_gguf_weight_handles(path: str, cfg: dict) -> Iterator[tuple[str, Weight
 
 
 def _read_gguf_slice(t, shape: tuple[int, ...], heads: int | None, offset: float, dim: int, start: int,
-                     length: int) -> torch.Tensor:
-    """The tensor's slice as HF holds it: un-permuted, less `offset` (Gemma's norms)."""
+                     length: int, expert: int | None = None) -> torch.Tensor:
+    """The tensor's slice as HF holds it: un-permuted, less `offset` (Gemma's norms); or a slice of one
+    expert's matrix (its first index) in a stacked experts tensor."""
     from gguf.quants import dequantize
 
-    w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+    data = t.data if expert is None else t.data[expert]
+    w = np.asarray(dequantize(data, t.tensor_type), dtype=np.float32).reshape(shape)
     if offset:
         w = w - np.float32(offset)
     if heads is not None:

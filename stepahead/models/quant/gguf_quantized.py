@@ -16,9 +16,17 @@ QUANT_FILE = "quantized_weights.st"  # in a model-cache entry; not *.safetensors
 
 
 def iter_gguf_quantized(path: str, cfg: dict) -> Iterator[tuple[str, GroupQuantWeight]]:
-    """(HF name, codes) for every Q4_0/Q4_1/Q8_0 tensor of a GGUF file, Q/K rows un-permuted."""
+    """(HF name, codes) for every Q4_0/Q4_1/Q8_0 tensor of a GGUF file, Q/K rows un-permuted; a
+    stacked experts tensor gives one entry per expert."""
     reader = gguf_loader.open_reader(path)
     for t in reader.tensors:
+        stacked = gguf_loader.expert_tensor(t.name)
+        if stacked is not None and t.tensor_type.name in GGUF_QUANT_TYPES:  # one matrix of codes per expert
+            experts, out_features, in_features = (int(d) for d in reversed(t.shape))
+            for e in range(experts):
+                yield gguf_loader.expert_hf_name(*stacked, e), decode_gguf_blocks(t.data[e], t.tensor_type.name,
+                                                                                    (out_features, in_features))
+            continue
         name = gguf_loader.hf_name(t.name, cfg.get("gguf_arch"))
         if name is None or t.tensor_type.name not in GGUF_QUANT_TYPES:
             continue

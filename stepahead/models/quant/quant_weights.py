@@ -115,9 +115,11 @@ def quantize_int4(w: torch.Tensor, group_size: int = GGUF_BLOCK) -> GroupQuantWe
 
 
 def quantize_int8_rows(w: torch.Tensor) -> GroupQuantWeight:
-    """Symmetric 8-bit codes with one scale per row (the layout torch's int8 weight-only kernel reads)."""
+    """Symmetric 8-bit codes with one scale per row (the layout torch's int8 weight-only kernel reads).
+    The scales are float16 values: a row of 32 inputs is one Q8_0 block, which stepahead's kernel runs
+    and which keeps its scales as float16."""
     w = w.detach().float()
-    scales = (w.abs().amax(1, keepdim=True) / 127).clamp(min=1e-12)
+    scales = (w.abs().amax(1, keepdim=True) / 127).clamp(min=2.0**-24).half().float()
     q = (w / scales).round().clamp(-127, 127).to(torch.int8)
     return GroupQuantWeight(q, scales, None, w.shape[1], 8)
 

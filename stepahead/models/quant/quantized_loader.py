@@ -7,6 +7,10 @@
 - "none": every weight dense in the model's dtype (the reference path).
 - "auto": "gguf" on CPU when the checkpoint is a GGUF file holding such tensors, else "none".
 
+A MoE block's experts (models/moe.py) become PackedExperts, two packed linears per expert: in "gguf"
+mode when the file holds every expert matrix of the layer as Q4_0/Q4_1/Q8_0 (other types stay dense,
+with a log line), in "int4"/"int8" mode always. Every row of a packed expert runs its packed kernel.
+
 The swap runs after the dense model is built and loaded, and finds the projections by name (modules
 called qkv_proj, o_proj, gate_up_proj or down_proj holding a 2-D `.weight` [out, in]), so it works for
 any linear class that keeps that weight. A fused projection is quantized only when every part of it
@@ -32,6 +36,7 @@ import torch
 from torch import nn
 
 from stepahead.config import QUANTIZATION_CHOICES
+from stepahead.models.moe import DenseExperts, MoeBlock, PackedExperts
 from stepahead.models.quant.packed_head import RescoredHead
 from stepahead.models.quant.prompt_rows import rows_are_invariant
 from stepahead.models.quant.quant_weights import (
@@ -111,7 +116,7 @@ def quantize_model(model: nn.Module, mode: str, sources: dict[str, GroupQuantWei
         if mode == "gguf":
             weight = _source_weight(name, sources or {})
         else:
-            weight = quantize_int4(module.weight) if mode == "int4" else quantize_int8_rows(module.weight)
+            weight = _quantized(module.weight, mode)
         if weight is None:
             continue
         if weight.shape != tuple(module.weight.shape):
@@ -134,7 +139,43 @@ def quantize_model(model: nn.Module, mode: str, sources: dict[str, GroupQuantWei
     if variant:
         logger.info("dense GEMM rows depend on their batch for weight shapes %s on this machine: prompt "
                     "tokens run the packed kernels there", variant)
+    swapped += _pack_experts(model, mode, sources or {})
     if mode == "gguf" and _pack_head(model, sources or {}):
+        swapped += 1
+    return swapped
+
+
+def _quantized(weight: torch.Tensor, mode: str) -> GroupQuantWeight:
+    return quantize_int4(weight) if mode == "int4" else quantize_int8_rows(weight)
+
+
+def _pack_experts(model: nn.Module, mode: str, sources: dict[str, GroupQuantWeight]) -> int:
+    """Swap each MoE block's dense experts for PackedExperts; returns how many blocks were swapped."""
+    swapped = 0
+    for name, block in model.named_modules():
+        if not isinstance(block, MoeBlock) or not isinstance(block.experts, DenseExperts):
+            continue
+        dense = block.experts
+        gate_up, down = [], []
+        for e in range(dense.num_experts):
+            if mode == "gguf":
+                pair = (_source_weight(f"{name}.experts.{e}.gate_up_proj", sources),
+                        _source_weight(f"{name}.experts.{e}.down_proj", sources))
+            else:
+                pair = (_quantized(dense.gate_up_proj[e], mode), _quantized(dense.down_proj[e], mode))
+            if pair[0] is None or pair[1] is None:
+                break
+            for weight, like in zip(pair, (dense.gate_up_proj[e], dense.down_proj[e]), strict=True):
+                if weight.shape != tuple(like.shape):
+                    raise ValueError(f"{name}: expert {e}'s quantized weight has shape {weight.shape}, "
+                                     f"the model's is {tuple(like.shape)}")
+            gate_up.append(quantized_linear(_packable(pair[0])))
+            down.append(quantized_linear(_packable(pair[1])))
+        if len(down) < dense.num_experts:
+            logger.info("%s: experts kept dense (the file does not hold every expert matrix as %s)", name,
+                        "/".join(GGUF_QUANT_TYPES))
+            continue
+        block.experts = PackedExperts(gate_up, down)
         swapped += 1
     return swapped
 
