@@ -12,8 +12,7 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   const auto no_gil = py::call_guard<py::gil_scoped_release>();
-  m.def("int4_gemm", &stepahead_cpu::int4_gemm, no_gil);
-  m.def("int8_gemm", &stepahead_cpu::int8_gemm, no_gil);
+  m.def("packed_gemm", &stepahead_cpu::packed_gemm, no_gil);
   m.def("packed_gemm_isa", &stepahead_cpu::packed_gemm_isa);
   m.def("rms_norm", &stepahead_cpu::rms_norm, no_gil);
   m.def("silu_mul", &stepahead_cpu::silu_mul, no_gil);

@@ -12,20 +12,22 @@ from __future__ import annotations
 import torch
 
 from stepahead.kernels import cpu_build, cpu_ops
-from stepahead.models.quant.quantized_linear import Int4Linear
+from stepahead.models.quant.quantized_linear import Int4Linear, Int8Linear, KQuantLinear
 
 
 def build_decode_stack(model):
     """A DecodeStack over the model's layers, or None unless every projection of every layer runs
-    stepahead's int4 kernel (other packings, torch's kernel, Qwen3's per-head norms, tensor or pipeline
-    ranks: those steps keep the Python path)."""
+    stepahead's packed kernel, in any of its formats (Q4, Q8, the k-quants; each projection its own);
+    torch's kernels, dense projections, Qwen3's per-head norms, tensor or pipeline ranks: those steps
+    keep the Python path."""
     if model.ps.world_size > 1 or model.args.qk_norm or not model.layers:
         return None
     layers = []
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if not all(isinstance(p, Int4Linear) and p.kernel == "stepahead" for p in projections):
+        if not all(isinstance(p, Int4Linear | Int8Linear | KQuantLinear) and p.kernel == "stepahead"
+                   for p in projections):
             return None
         tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
         for p in projections:

@@ -43,13 +43,20 @@ def instruction_set() -> str:
 def int4_gemm(x: torch.Tensor, tiles: torch.Tensor, out_features: int) -> torch.Tensor:
     """x [M, K] float32 times the [N, K] weight  codes * scales + mins  (tile_q4's layout,
     N = out_features): [M, N] float32, with x and the result rounded to bf16 values."""
-    return _op("int4_gemm")(x, tiles, out_features)
+    return packed_gemm(x, tiles, out_features)
 
 
 def int8_gemm(x: torch.Tensor, tiles: torch.Tensor, out_features: int) -> torch.Tensor:
     """x [M, K] float32 times the [N, K] weight  codes * scales  (tile_q8's layout, N = out_features):
     [M, N] float32, with x and the result rounded to bf16 values."""
-    return _op("int8_gemm")(x, tiles, out_features)
+    return packed_gemm(x, tiles, out_features)
+
+
+def packed_gemm(x: torch.Tensor, tiles: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x [M, K] float32 times a packed [N, K] weight in any of the kernels' layouts (tile_q4, tile_q8,
+    kernels/kquant_tiles.py's tile_kquant; the record size names the format): [M, N] float32, with x and
+    the result rounded to bf16 values."""
+    return _op("packed_gemm")(x, tiles, out_features)
 
 
 @functools.cache

@@ -3,7 +3,7 @@
 // On the packed path a decode step of one row spent about half its time in Python: the layers'
 // module calls and the dispatch of some twenty operators per layer, each a few microseconds, thirty
 // layers deep. This runs the same arithmetic in the same order from C++: the kernels the Python
-// layers call (rms_norm with torch's arithmetic, or torch's own where that is not available; int4
+// layers call (rms_norm with torch's arithmetic, or torch's own where that is not available; the packed
 // GEMM, rope, silu(gate) * up, decode attention), and the residual adds and K/V writes, which are
 // single float additions and copies (into a 16-bit cache rounded as torch rounds, kv_store.h). Its
 // outputs are bitwise the Python path's (tested), and a row's result still depends on the row alone.
@@ -31,10 +31,10 @@ namespace stepahead_cpu {
 
 namespace {
 
-// A projection's tiles and bias, from index `first` of a layer's tensors; W [N, K].
-Int4Weight int4_weight(const std::vector<at::Tensor>& t, size_t first, int64_t N, int64_t K) {
+// A projection's tiles (any packed format) and bias, from index `first` of a layer's tensors; W [N, K].
+PackedProjection projection(const std::vector<at::Tensor>& t, size_t first, int64_t N, int64_t K) {
   const at::Tensor bias = t[first + 1].numel() ? t[first + 1] : at::Tensor();
-  return Int4Weight{t[first], bias, q4_weight(t[first], bias, N, K)};
+  return PackedProjection{t[first], bias, packed_weight(t[first], bias, N, K)};
 }
 
 }  // namespace
@@ -46,13 +46,12 @@ DecodeStack::DecodeStack(const std::vector<std::vector<at::Tensor>>& layers, int
   const int64_t q_dim = heads * head_dim, qkv_dim = (heads + 2 * kv_heads) * head_dim;
   for (const auto& t : layers) {
     TORCH_CHECK(t.size() == kTensorsPerLayer, "a layer takes ", kTensorsPerLayer, " tensors, got ", t.size());
-    // down's tiles: [hidden / 8, inter / 32, record]
-    if (layers_.empty()) hidden_ = t[0].numel(), inter_ = t[8].size(1) * kGroup;
+    if (layers_.empty()) hidden_ = t[0].numel(), inter_ = packed_inputs(t[8]);  // down's inputs
     for (const at::Tensor* norm : {&t[0], &t[1]})
       TORCH_CHECK(norm->scalar_type() == at::kFloat && norm->is_contiguous() && norm->numel() == hidden_,
                   "the norm weights must be contiguous float32 [hidden] tensors");
-    layers_.push_back(Layer{t[0], t[1], int4_weight(t, 2, qkv_dim, hidden_), int4_weight(t, 4, hidden_, q_dim),
-                            int4_weight(t, 6, 2 * inter_, hidden_), int4_weight(t, 8, hidden_, inter_)});
+    layers_.push_back(Layer{t[0], t[1], projection(t, 2, qkv_dim, hidden_), projection(t, 4, hidden_, q_dim),
+                            projection(t, 6, 2 * inter_, hidden_), projection(t, 8, hidden_, inter_)});
   }
 }
 

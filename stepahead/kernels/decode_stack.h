@@ -10,8 +10,8 @@
 namespace stepahead_cpu {
 
 // A packed projection's tensors and the kernel's view of them.
-struct Int4Weight {
-  at::Tensor tiles;  // int4_gemm's operand
+struct PackedProjection {
+  at::Tensor tiles;  // packed_gemm's operand, any format
   at::Tensor bias;   // undefined: none
   PackedWeight view;
 };
@@ -37,7 +37,7 @@ class DecodeStack {
  private:
   struct Layer {
     at::Tensor input_norm, post_norm;
-    Int4Weight qkv, o, gate_up, down;
+    PackedProjection qkv, o, gate_up, down;
   };
   std::vector<Layer> layers_;
   int64_t hidden_, inter_, heads_, kv_heads_, head_dim_;

@@ -8,6 +8,9 @@ with g = c // group_size. That is exactly GGUF's block formats (32 weights a blo
 - Q4_0: fp16 d, 16 bytes of nibbles;  w = (q - 8) * d           -> q in 0..15, scale d, min -8 d
 - Q4_1: fp16 d, fp16 m, 16 bytes;     w = q * d + m             -> q in 0..15, scale d, min m
 - Q8_0: fp16 d, 32 int8;              w = q * d                 -> q in -127..127, scale d, no min
+- Q5_0: fp16 d, 4 bytes of fifth bits, 16 bytes;  w = (q - 16) * d  -> int8 codes q - 16, as Q8_0
+  (llama.cpp's fallback for Q4_K where a row is not a whole number of 256-weight blocks: a Q4_K_M
+  file of a model 576 wide is mostly Q5_0)
 
 In a block, byte j holds element j in its low nibble and element j + 16 in its high nibble.
 Rows are independent, so un-permuting llama.cpp's Q/K rows and fusing q/k/v or gate/up (row
@@ -24,7 +27,7 @@ import torch
 
 GGUF_BLOCK = 32
 # GGUF tensor type name -> (bytes per block, bits)
-GGUF_QUANT_TYPES = {"Q4_0": (18, 4), "Q4_1": (20, 4), "Q8_0": (34, 8)}
+GGUF_QUANT_TYPES = {"Q4_0": (18, 4), "Q4_1": (20, 4), "Q5_0": (22, 8), "Q8_0": (34, 8)}
 
 
 @dataclass
@@ -78,7 +81,7 @@ def cat_rows(parts: list[GroupQuantWeight]) -> GroupQuantWeight:
 
 
 def decode_gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> GroupQuantWeight:
-    """A GGUF tensor's raw bytes (any shape, C order) of type Q4_0, Q4_1 or Q8_0 as codes and scales.
+    """A GGUF tensor's raw bytes (any shape, C order) of type Q4_0, Q4_1, Q5_0 or Q8_0 as codes and scales.
 
     shape is the weight's [out, in] (GGUF lists dimensions the other way round)."""
     if type_name not in GGUF_QUANT_TYPES:
@@ -92,6 +95,13 @@ def decode_gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) 
     if type_name == "Q8_0":
         q = blocks[..., 2:].copy().view(np.int8).reshape(rows, cols)
         return GroupQuantWeight(torch.from_numpy(q), torch.from_numpy(d), None, GGUF_BLOCK, 8)
+    if type_name == "Q5_0":  # bit j of the 32-bit qh is element j's fifth bit
+        fifth = (blocks[..., 2:6].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)) & 1
+        nibbles = blocks[..., 6:]
+        low = np.concatenate((nibbles & 0x0F, nibbles >> 4), axis=-1)
+        q = (low | (fifth.astype(np.uint8) << 4)).astype(np.int8) - np.int8(16)
+        return GroupQuantWeight(torch.from_numpy(np.ascontiguousarray(q).reshape(rows, cols)), torch.from_numpy(d),
+                                None, GGUF_BLOCK, 8)
     if type_name == "Q4_1":
         mins = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
         nibbles = blocks[..., 4:]

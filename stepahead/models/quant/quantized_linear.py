@@ -8,6 +8,9 @@
   by `torch._convert_weight_to_int4pack_for_cpu` and multiplied by `torch._weight_int4pack_mm_for_cpu`,
   which computes  (q - 8) * scale + zero  per group (a code's offset `min` becomes
   zero = min + 8 * scale) on bfloat16 activations.
+- KQuantLinear: llama.cpp's k-quants (Q4_K, Q5_K, Q6_K), their super-block factors kept as the file
+  holds them (kernels/kquant_tiles.py), on stepahead's kernel only: torch has no kernel for them, so
+  where ours is not built such weights stay dense (models/quant/quantized_loader.py).
 - Int8Linear: int8 codes. GGUF's Q8_0 (a scale per group of 32) on an AVX2 CPU runs stepahead's
   8-bit kernel of the same kind (packed_gemm.cpp); otherwise (and for --quantization int8, one scale
   per row) `torch._weight_int8pack_mm` on bfloat16 activations, Q8_0 requantized per row.
@@ -31,7 +34,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from stepahead.kernels import cpu_packed
+from stepahead.kernels import cpu_packed, kquant_tiles
+from stepahead.models.quant.kquant_weights import KQuantWeight
 from stepahead.models.quant.prompt_rows import ACTIVATION_ROUNDING, PromptRows, dense_rows
 from stepahead.models.quant.quant_weights import GroupQuantWeight, to_int8_rows
 
@@ -139,8 +143,34 @@ class Int8Linear(_PackedBase):
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel}"
 
 
-def quantized_linear(weight: GroupQuantWeight, bias: torch.Tensor | None = None) -> nn.Module:
-    """The packed module for a quantized weight: 4-bit group codes -> Int4Linear, 8-bit -> Int8Linear."""
+class KQuantLinear(_PackedBase):
+    """A Q4_K / Q5_K / Q6_K weight on stepahead's kernel (needs it built: cpu_packed.available())."""
+
+    kernel = "stepahead"
+
+    def __init__(self, weight: KQuantWeight, bias: torch.Tensor | None = None) -> None:
+        if not cpu_packed.available():
+            raise ValueError("k-quant weights run on stepahead's CPU kernels only, which are not built here")
+        super().__init__(*weight.shape, bias)
+        self.type_name = weight.type_name
+        self.register_buffer("tiles", kquant_tiles.tile_kquant(weight))
+
+    def _packed_mm(self, flat: torch.Tensor) -> torch.Tensor:
+        return cpu_packed.packed_gemm(flat.float(), self.tiles, self.out_features)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return kquant_tiles.untile_kquant(self.tiles, self.out_features, self.type_name).dequantize()
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"type={self.type_name}, kernel={self.kernel}")
+
+
+def quantized_linear(weight: GroupQuantWeight | KQuantWeight, bias: torch.Tensor | None = None) -> nn.Module:
+    """The packed module for a quantized weight: 4-bit group codes -> Int4Linear, 8-bit -> Int8Linear,
+    a k-quant -> KQuantLinear."""
+    if isinstance(weight, KQuantWeight):
+        return KQuantLinear(weight, bias)
     if weight.bits == 4:
         return Int4Linear(weight, bias)
     return Int8Linear(weight, bias)

@@ -1,7 +1,8 @@
 """`--quantization`: which linear layers of a built model run on packed weights, and where the codes come from.
 
-- "gguf": the GGUF file's Q4_0 / Q4_1 / Q8_0 tensors stay quantized (their codes come from
-  models/quant/gguf_quantized.py); other tensors stay dense.
+- "gguf": the GGUF file's Q4_0 / Q4_1 / Q5_0 / Q8_0 and Q4_K / Q5_K / Q6_K tensors stay quantized, each
+  in its own format (their codes come from models/quant/gguf_quantized.py); other tensors stay dense.
+  k-quants need stepahead's kernels: where those are not built they load dense too (logged once).
 - "int4" / "int8": any checkpoint's projections quantized at load (int4: groups of 32 with scale and
   offset; int8: one scale per row).
 - "none": every weight dense in the model's dtype (the reference path).
@@ -32,10 +33,12 @@ import torch
 from torch import nn
 
 from stepahead.config import QUANTIZATION_CHOICES
+from stepahead.kernels import cpu_packed
+from stepahead.models.quant.gguf_quantized import KEPT_TYPES, PackedCodes
+from stepahead.models.quant.kquant_weights import KQuantWeight, cat_kquant_rows
 from stepahead.models.quant.packed_head import RescoredHead
 from stepahead.models.quant.prompt_rows import rows_are_invariant
 from stepahead.models.quant.quant_weights import (
-    GGUF_QUANT_TYPES,
     GroupQuantWeight,
     cat_rows,
     quantize_int4,
@@ -60,30 +63,50 @@ def resolve_quantization(requested: str, device: str, load_format: str, gguf_qua
         raise ValueError(f"quantization {requested!r} runs on CPU only (its kernels are torch's CPU ones); "
                          "use 'none' or 'auto' on CUDA")
     if requested == "gguf" and not (load_format == "gguf" and gguf_quantized):
-        raise ValueError(f"quantization 'gguf' needs a GGUF file with {'/'.join(GGUF_QUANT_TYPES)} tensors; "
+        raise ValueError(f"quantization 'gguf' needs a GGUF file with {'/'.join(KEPT_TYPES)} tensors; "
                          "use 'int4', 'int8' or 'none' for this model")
     return requested
 
 
 # -- the swap ------------------------------------------------------------------------------------
 
-def _source_weight(module_name: str, sources: dict[str, GroupQuantWeight]) -> GroupQuantWeight | None:
+def _format(w: PackedCodes) -> tuple:
+    """What parts must share to be fused into one packed weight."""
+    return (w.type_name,) if isinstance(w, KQuantWeight) else (w.bits, w.group_size, w.mins is None)
+
+
+def _source_weight(module_name: str, sources: dict[str, PackedCodes]) -> PackedCodes | None:
     """The codes of a module from per-checkpoint-tensor codes (fusing parts), or None to keep it dense."""
     prefix, _, leaf = module_name.rpartition(".")
     hf_prefix = prefix if prefix.startswith("model.") else "model." + prefix
     found = [sources.get(f"{hf_prefix}.{part}.weight") for part in FUSED_PARTS.get(leaf, (leaf,))]
     if any(w is None for w in found):
         return None
-    if len({(w.bits, w.group_size, w.mins is None) for w in found}) > 1:
+    parts = [w for w in found if w is not None]
+    if len({_format(w) for w in parts}) > 1:
         logger.info("%s: parts quantized differently, kept dense", module_name)
         return None
-    return cat_rows(found)
+    if isinstance(parts[0], KQuantWeight):
+        return cat_kquant_rows([w for w in parts if isinstance(w, KQuantWeight)])
+    return cat_rows([w for w in parts if isinstance(w, GroupQuantWeight)])
 
 
-def _packable(w: GroupQuantWeight) -> GroupQuantWeight:
-    if w.bits == 4 and w.shape[0] % INT4_ROWS_MULTIPLE:
+def _packable(w: PackedCodes) -> PackedCodes:
+    if isinstance(w, GroupQuantWeight) and w.bits == 4 and w.shape[0] % INT4_ROWS_MULTIPLE:
         return quantize_int8_rows(w.dequantize())
     return w
+
+
+def _without_kernel(sources: dict[str, PackedCodes]) -> dict[str, PackedCodes]:
+    """sources less the k-quants where stepahead's kernels are not built (torch has none for them): those
+    stay dense, named in one log line."""
+    if cpu_packed.available():
+        return sources
+    dense = sorted(name for name, w in sources.items() if isinstance(w, KQuantWeight))
+    if dense:
+        logger.info("stepahead's CPU kernels are not built here: %d k-quant tensors load dense (%s, ...)",
+                    len(dense), dense[0])
+    return {name: w for name, w in sources.items() if not isinstance(w, KQuantWeight)}
 
 
 def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -92,7 +115,7 @@ def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
 
 
 @torch.no_grad()
-def quantize_model(model: nn.Module, mode: str, sources: dict[str, GroupQuantWeight] | None = None) -> int:
+def quantize_model(model: nn.Module, mode: str, sources: dict[str, PackedCodes] | None = None) -> int:
     """Swap the model's projections (and in "gguf" mode a quantized head) for packed ones; returns how
     many modules were swapped.
 
@@ -103,11 +126,13 @@ def quantize_model(model: nn.Module, mode: str, sources: dict[str, GroupQuantWei
     targets = [(name, m) for name, m in model.named_modules()
                if name.rpartition(".")[2] in LINEAR_NAMES and getattr(m, "weight", None) is not None
                and m.weight.dim() == 2]
+    sources = _without_kernel(sources or {})
     swapped = 0
     dense_invariant: dict[tuple[int, int], bool] = {}  # BLAS picks its code path by shape, not values
     for name, module in targets:
+        weight: PackedCodes | None
         if mode == "gguf":
-            weight = _source_weight(name, sources or {})
+            weight = _source_weight(name, sources)
         else:
             weight = quantize_int4(module.weight) if mode == "int4" else quantize_int8_rows(module.weight)
         if weight is None:
@@ -132,12 +157,12 @@ def quantize_model(model: nn.Module, mode: str, sources: dict[str, GroupQuantWei
     if variant:
         logger.info("dense GEMM rows depend on their batch for weight shapes %s on this machine: prompt "
                     "tokens run the packed kernels there", variant)
-    if mode == "gguf" and _pack_head(model, sources or {}):
+    if mode == "gguf" and _pack_head(model, sources):
         swapped += 1
     return swapped
 
 
-def _pack_head(model: nn.Module, sources: dict[str, GroupQuantWeight]) -> bool:
+def _pack_head(model: nn.Module, sources: dict[str, PackedCodes]) -> bool:
     """Give the model a RescoredHead when the file holds its head quantized: its `output` tensor, or
     `token_embd` when the embedding is tied (llama.cpp reads it so)."""
     head = getattr(model, "lm_head", None)
