@@ -13,11 +13,18 @@ from __future__ import annotations
 
 import torch
 
-from stepahead.kernels.cpu_packed import GROUP, TILE, _pad_to_tiles, _slots
+from stepahead.kernels.cpu_packed import (
+    GROUP,
+    PAIRS,
+    TILE,
+    _pad_to_tiles,
+    _slots,
+    high_bits,
+    unpack_high_bits,
+)
 from stepahead.models.quant.kquant_weights import SUPER_BLOCK, KQuantWeight, sub_block
 
 GROUPS = SUPER_BLOCK // GROUP  # groups of 32 per super-block
-PAIRS = GROUP // 2
 HIGH_BYTES = {"Q4_K": 0, "Q5_K": 32, "Q6_K": 64}  # per group and tile
 
 
@@ -58,14 +65,7 @@ def tile_kquant(weight: KQuantWeight) -> torch.Tensor:
     high_bytes = HIGH_BYTES[weight.type_name]
     if high_bytes:
         bits = 1 if weight.type_name == "Q5_K" else 2
-        chunks = high_bytes // 32
-        high = _pad_to_tiles((codes >> 4).to(torch.int32))
-        # [tile, column, group, chunk, b within chunk, e] -> [tile, group, chunk, column, e, b]
-        high = high.reshape(count, TILE, supers * GROUPS, chunks, PAIRS // chunks, 2).permute(0, 2, 3, 1, 5, 4)
-        shifts = bits * torch.arange(PAIRS // chunks, dtype=torch.int32)
-        lanes = (high << shifts).sum(-1)  # one int16 lane's bits, as int32
-        lane_bytes = torch.stack((lanes & 0xFF, lanes >> 8), dim=-1).to(torch.uint8)
-        groups.append(lane_bytes.reshape(count, supers * GROUPS, -1))
+        groups.append(high_bits(codes, bits, high_bytes // 32))
     group_bytes = torch.cat(groups, dim=-1).reshape(count, supers, -1)
     return torch.cat([*header, group_bytes], dim=-1).contiguous()
 
@@ -105,11 +105,6 @@ def untile_kquant(tiles: torch.Tensor, out_features: int, type_name: str) -> KQu
     high_bytes = HIGH_BYTES[type_name]
     if high_bytes:
         bits = 1 if type_name == "Q5_K" else 2
-        chunks = high_bytes // 32
-        lane_bytes = group_bytes[..., TILE * GROUP // 2:].reshape(count, supers * GROUPS, chunks, TILE, 2, 2)
-        lanes = lane_bytes[..., 0].to(torch.int32) | (lane_bytes[..., 1].to(torch.int32) << 8)
-        shifts = bits * torch.arange(PAIRS // chunks, dtype=torch.int32)
-        high = (lanes.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [tile, group, chunk, column, e, b]
-        high = high.permute(0, 3, 1, 2, 5, 4).reshape(count * TILE, supers * SUPER_BLOCK)
-        codes = codes | (high << 4)
+        high = group_bytes[..., TILE * GROUP // 2:]
+        codes = codes | (unpack_high_bits(high, bits, high_bytes // 32) << 4)
     return KQuantWeight(type_name, codes[:out_features].to(torch.uint8), d, scales, dmin, mins)

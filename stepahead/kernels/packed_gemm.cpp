@@ -76,23 +76,43 @@ constexpr int64_t kPanelBytes = 256 * 1024;
 struct Q4 {
   static constexpr PackedWeight::Format kFormat = PackedWeight::Format::kQ4;
   static constexpr bool kSuper = false;
-  static constexpr int kSlots = 4;
-  static constexpr bool kHasMins = true;
+  static constexpr int kSlots = 4, kChunks = 4;
+  static constexpr bool kHasMins = true, kHigh = false;
   static __m256i unpack(__m256i chunk, int s) {
     if (s == 3) return _mm256_srli_epi16(chunk, 12);
     return _mm256_and_si256(_mm256_srli_epi16(chunk, 4 * s), _mm256_set1_epi16(0x0f));
+  }
+  static __m256i code(__m256i chunk, __m256i, int, int s) { return unpack(chunk, s); }
+};
+
+// Bit b = 4 j + s of each int16 lane of `high` moved to bit 4 (a 5-bit code's fifth bit).
+inline __m256i fifth_bit(__m256i high, int j, int s) {
+  const int b = 4 * j + s;
+  const __m256i h = b >= 4 ? _mm256_srli_epi16(high, b - 4) : _mm256_slli_epi16(high, 4 - b);
+  return _mm256_and_si256(h, _mm256_set1_epi16(0x10));
+}
+
+// Q5 (GGUF's Q5_0, Q5_1): Q4's nibbles with the fifth bits in one chunk after them.
+struct Q5 {
+  static constexpr PackedWeight::Format kFormat = PackedWeight::Format::kQ5;
+  static constexpr bool kSuper = false;
+  static constexpr int kSlots = 4, kChunks = 4;
+  static constexpr bool kHasMins = true, kHigh = true;
+  static __m256i code(__m256i chunk, __m256i high, int j, int s) {
+    return _mm256_or_si256(Q4::unpack(chunk, s), fifth_bit(high, j, s));
   }
 };
 
 struct Q8 {
   static constexpr PackedWeight::Format kFormat = PackedWeight::Format::kQ8;
   static constexpr bool kSuper = false;
-  static constexpr int kSlots = 2;
-  static constexpr bool kHasMins = false;
+  static constexpr int kSlots = 2, kChunks = 8;
+  static constexpr bool kHasMins = false, kHigh = false;
   static __m256i unpack(__m256i chunk, int s) {
     if (s == 0) return _mm256_srai_epi16(_mm256_slli_epi16(chunk, 8), 8);
     return _mm256_srai_epi16(chunk, 8);
   }
+  static __m256i code(__m256i chunk, __m256i, int, int s) { return unpack(chunk, s); }
 };
 
 // The k-quants (packed_gemm.h): a group's low nibbles are Q4's chunks, and `code(chunk, high, j, s)`
@@ -111,8 +131,7 @@ struct KQuant {
     if constexpr (HighChunks == 0) {
       return low;
     } else if constexpr (HighChunks == 1) {  // bit b of the lane is the code's bit 4
-      const __m256i h = b >= 4 ? _mm256_srli_epi16(high[0], b - 4) : _mm256_slli_epi16(high[0], 4 - b);
-      return _mm256_or_si256(low, _mm256_and_si256(h, _mm256_set1_epi16(0x10)));
+      return _mm256_or_si256(low, fifth_bit(high[0], j, s));
     } else {  // bits 2 (b % 8) and the next of chunk b / 8 are the code's bits 4 and 5
       const int at = 2 * (b % 8);
       const __m256i c = high[b / 8];
@@ -209,14 +228,18 @@ __attribute__((noinline)) void tile(const QuantizedRows& xq, int64_t row, const 
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c) sums[r][c] = _mm256_setzero_si256();
 #pragma GCC unroll 8
-    for (int j = 0; j < kCodeBytes / 32; ++j) {
-      __m256i chunk[C];
-      for (int c = 0; c < C; ++c)
-        chunk[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tiles + (c * groups + g) * kRecord + 32 * j));
+    for (int j = 0; j < F::kChunks; ++j) {
+      __m256i chunk[C], high[C];
+      for (int c = 0; c < C; ++c) {
+        const uint8_t* codes = tiles + (c * groups + g) * kRecord;
+        chunk[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * j));
+        high[c] = F::kHigh ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * F::kChunks))
+                           : _mm256_setzero_si256();
+      }
 #pragma GCC unroll 4
       for (int s = 0; s < F::kSlots; ++s) {
         __m256i w[C];
-        for (int c = 0; c < C; ++c) w[c] = F::unpack(chunk[c], s);
+        for (int c = 0; c < C; ++c) w[c] = F::code(chunk[c], high[c], j, s);
         for (int r = 0; r < R; ++r) {
           int32_t pair;  // the activation codes of inputs 2 * (kSlots * j + s) and the next
           std::memcpy(&pair, qx + r * xq.row_stride + 2 * (F::kSlots * j + s), sizeof(pair));
@@ -365,6 +388,7 @@ BlockFn block_runner_for(PackedWeight::Format format) {
   switch (format) {
     case PackedWeight::Format::kQ4: return block_of<Q4, A>;
     case PackedWeight::Format::kQ8: return block_of<Q8, A>;
+    case PackedWeight::Format::kQ5: return block_of<Q5, A>;
     case PackedWeight::Format::kQ4K: return block_of<Q4K, A>;
     case PackedWeight::Format::kQ5K: return block_of<Q5K, A>;
     case PackedWeight::Format::kQ6K: return block_of<Q6K, A>;
@@ -396,7 +420,7 @@ at::Tensor gemm(const at::Tensor& x, const PackedWeight& w) {
 // The format whose records are this many bytes (each format's differ).
 PackedWeight::Format format_of_record(int64_t bytes) {
   using F = PackedWeight::Format;
-  for (const F format : {F::kQ4, F::kQ8, F::kQ4K, F::kQ5K, F::kQ6K})
+  for (const F format : {F::kQ4, F::kQ8, F::kQ5, F::kQ4K, F::kQ5K, F::kQ6K})
     if (record_bytes(format) == bytes) return format;
   TORCH_CHECK(false, "no packed weight format has records of ", bytes, " bytes (packed_gemm.h)");
 }

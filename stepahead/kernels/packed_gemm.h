@@ -32,7 +32,9 @@ void quantize_row(const float* x, int64_t K, const QuantizedRows& q, int64_t row
 // float16 scales and, for Q4, their eight float16 mins (GGUF stores both as float16, so nothing is
 // rounded). Records and tiles follow each other, so a thread reads its columns as one sequential
 // stream (a one-row step reads weights at memory speed only when the prefetchers see long streams).
-// N is padded to a multiple of eight with zeros.
+// N is padded to a multiple of eight with zeros. Q5 (GGUF's Q5_0 and Q5_1: 5-bit codes 0..31, w = q *
+// scale + min) is Q4's record with the codes' fifth bits after the nibbles (one 32-byte chunk, bit b of
+// int16 lane 2c + e the fifth bit of column c's code at input 2b + e): 6 bits per weight.
 //
 // The k-quants (Q4_K, Q5_K, Q6_K) keep llama.cpp's super-blocks of 256 inputs: one record per tile and
 // super-block, a header then eight groups of 32 inputs. The header: the eight columns' float16 d, for
@@ -45,7 +47,7 @@ void quantize_row(const float* x, int64_t K, const QuantizedRows& q, int64_t row
 // float32 (11 significant bits times 6 or 8), so the record holds GGUF's values exactly, at 4.625,
 // 5.625 and 6.5625 bits per weight (llama.cpp: 4.5, 5.5, 6.5625).
 struct PackedWeight {
-  enum class Format { kQ4, kQ8, kQ4K, kQ5K, kQ6K };
+  enum class Format { kQ4, kQ8, kQ5, kQ4K, kQ5K, kQ6K };
   Format format;
   const uint8_t* tiles;
   const float* bias;  // nullptr: none
@@ -56,15 +58,18 @@ constexpr int64_t kTileColumns = 8;
 constexpr int64_t kSuperBlock = 256;  // inputs per k-quant record
 
 constexpr bool is_kquant(PackedWeight::Format format) {
-  return format != PackedWeight::Format::kQ4 && format != PackedWeight::Format::kQ8;
+  return format != PackedWeight::Format::kQ4 && format != PackedWeight::Format::kQ8 &&
+         format != PackedWeight::Format::kQ5;
 }
 
 // Inputs one record covers: a group of 32, or a k-quant super-block of 256.
 constexpr int64_t record_inputs(PackedWeight::Format format) { return is_kquant(format) ? kSuperBlock : kGroup; }
 
-// Bytes of one record's codes, and of the whole record (codes, scales and Q4's mins).
+// Bytes of one record's codes (Q5's fifth bits included), and of the whole record (codes, scales and
+// Q4 / Q5's mins).
 constexpr int64_t code_bytes(PackedWeight::Format format) {
-  return kTileColumns * (format == PackedWeight::Format::kQ4 ? kGroup / 2 : kGroup);
+  return format == PackedWeight::Format::kQ8 ? kTileColumns * kGroup
+                                             : kTileColumns * kGroup / 2 + (format == PackedWeight::Format::kQ5 ? 32 : 0);
 }
 // A k-quant record's header (scales and mins) and one group's codes.
 constexpr int64_t kquant_header_bytes(PackedWeight::Format format) {
@@ -77,7 +82,7 @@ constexpr int64_t kquant_group_bytes(PackedWeight::Format format) {
 }
 constexpr int64_t record_bytes(PackedWeight::Format format) {
   if (is_kquant(format)) return kquant_header_bytes(format) + (kSuperBlock / kGroup) * kquant_group_bytes(format);
-  return code_bytes(format) + kTileColumns * 2 * (format == PackedWeight::Format::kQ4 ? 2 : 1);
+  return code_bytes(format) + kTileColumns * 2 * (format == PackedWeight::Format::kQ8 ? 1 : 2);
 }
 
 // The kernels' view of a packed weight W [N, K]: tiles laid out as above (the format read from the

@@ -1,4 +1,4 @@
-"""The k-quants (Q4_K, Q5_K, Q6_K) on stepahead's packed kernel: GGUF blocks decoded as gguf dequantizes
+"""The k-quants (Q4_K, Q5_K, Q6_K) and the 5-bit Q5_0 / Q5_1 on stepahead's packed kernel: GGUF blocks decoded as gguf dequantizes
 them, the records' layout both ways, the product against gguf's own dequantization and against the
 kernel's arithmetic in float64, a row's bits in any batch, and AVX2 and VNNI to the same bits."""
 
@@ -14,6 +14,8 @@ import torch
 
 from stepahead.kernels import cpu_build, cpu_packed, kquant_tiles
 from stepahead.models.quant.kquant_weights import KQUANT_TYPES, decode_kquant_blocks, sub_block
+from stepahead.models.quant.quant_weights import decode_gguf_blocks
+from tests.kernels.test_cpu_packed_gemm import _reference as _group_reference
 from tests.models.kquant_blocks import quantize_kquant, random_kquant_blocks
 
 pytestmark = pytest.mark.skipif(not cpu_build.machine_can_build(), reason="needs an AVX2 CPU and a C++ compiler")
@@ -98,6 +100,32 @@ def test_a_row_is_computed_the_same_at_any_position_in_any_batch(type_name):
         assert torch.equal(cpu_packed.packed_gemm(x[:rows], tiles, 40), alone[:rows]), rows
 
 
+def _q5(type_name, rows, cols, seed=0):
+    import gguf
+    import gguf.quants
+
+    dense = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+    raw = gguf.quants.quantize(dense, getattr(gguf.GGMLQuantizationType, type_name))
+    return raw, decode_gguf_blocks(raw, type_name, (rows, cols))
+
+
+@pytest.mark.parametrize("type_name", ["Q5_0", "Q5_1"])
+@pytest.mark.parametrize("rows,out_features,in_features", [(1, 16, 32), (5, 37, 96), (33, 40, 576)])
+def test_5_bit_codes_run_q4_records_with_their_fifth_bits(type_name, rows, out_features, in_features):
+    raw, weight = _q5(type_name, out_features, in_features)
+    tiles = cpu_packed.tile_q5(weight.q, weight.scales, weight.mins)
+    assert tiles.shape[-1] == cpu_packed.Q5_RECORD  # 6 bits per weight
+    codes, scales, mins = cpu_packed.untile(tiles, out_features)
+    assert torch.equal(codes, weight.q) and torch.equal(scales, weight.scales) and torch.equal(mins, weight.mins)
+    x = torch.randn(rows, in_features) * 3
+    y = cpu_packed.packed_gemm(x, tiles, out_features)
+    ref = _group_reference(x, weight)
+    assert bool(((y - ref).abs() <= ref.abs().clamp(min=1e-30) * 2.0 ** -7).all())
+    exact = x.double() @ _gguf_dequantized(raw, type_name).double().t()
+    assert float((y - exact).abs().max() / exact.abs().max()) < 1e-2
+    assert all(torch.equal(cpu_packed.packed_gemm(x[i:i + 1], tiles, out_features)[0], y[i]) for i in range(rows))
+
+
 def test_a_non_finite_activation_makes_its_row_nan_and_no_other():
     _, weight = _weight("Q4_K", 16, 256)
     x = torch.randn(3, 256)
@@ -123,6 +151,9 @@ def test_vnni_and_avx2_multiply_to_the_same_bits(tmp_path):
         _, weight = _weight(type_name, 40, 512)
         for rows in (1, 2, 3, 4, 7):
             cases.append((torch.randn(rows, 512) * 3, kquant_tiles.tile_kquant(weight), 40))
+    _, q5 = _q5("Q5_1", 40, 512)
+    for rows in (1, 2, 3, 4, 7):
+        cases.append((torch.randn(rows, 512) * 3, cpu_packed.tile_q5(q5.q, q5.scales, q5.mins), 40))
     torch.save(cases, tmp_path / "cases.pt")
     env = {**os.environ, "STEPAHEAD_MAX_CPU_ISA": "avx2"}
     subprocess.run([sys.executable, "-c", _AVX2_RUN, str(tmp_path / "cases.pt"), str(tmp_path / "avx2.pt")],

@@ -18,6 +18,10 @@ pytestmark = pytest.mark.skipif(not cpu_build.machine_can_build(), reason="needs
 SHAPE = {"hidden_size": 256, "intermediate_size": 512}
 PACKED_MIX = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q4_K", "attn_output": "Q8_0",
               "ffn_gate": "Q5_K", "ffn_up": "Q5_K", "ffn_down": "Q6_K", "output": "Q6_K"}
+# as llama-quantize makes Q4_K_M of a model whose rows are not whole 256-weight blocks: Q5_0 for Q4_K,
+# Q8_0 for Q6_K (some layers' attn_v), k-quants where the rows allow
+FALLBACK_MIX = {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q5_0",
+                "ffn_gate": "Q5_1", "ffn_up": "Q5_1", "ffn_down": "Q4_K", "output": "Q8_0"}
 DENSE_PARTS_MIX = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q6_K",
                    "ffn_gate": "F16", "ffn_up": "Q4_K", "ffn_down": "Q5_0", "output": "Q8_0"}
 
@@ -82,9 +86,25 @@ def test_the_engine_decodes_a_k_quant_file_as_the_dense_path_does(kquant_gguf, t
     assert [o[0] for o in outputs["auto"]] == [o[0] for o in outputs["none"]]
 
 
-def test_the_model_cache_keeps_the_k_quant_codes(kquant_gguf, tmp_path, monkeypatch):
+def test_q5_0_beside_q8_0_fuses_as_int8_codes_and_5_bit_codes_run_packed(kquant_gguf):
+    packed, dense = _models(kquant_gguf(FALLBACK_MIX))
+    layer, ref = packed.layers[0], dense.layers[0]
+    assert type(layer.self_attn.qkv_proj).__name__ == "Int8Linear"  # q/k Q5_0 as int8 codes q - 16, v Q8_0
+    assert layer.self_attn.o_proj.bits == 5 and layer.mlp.gate_up_proj.bits == 5  # Q5_0, Q5_1 records
+    assert layer.mlp.down_proj.type_name == "Q4_K"
+    for ours, theirs in ((layer.self_attn.qkv_proj, ref.self_attn.qkv_proj), (layer.self_attn.o_proj, ref.self_attn.o_proj),
+                         (layer.mlp.gate_up_proj, ref.mlp.gate_up_proj), (layer.mlp.down_proj, ref.mlp.down_proj)):
+        assert torch.equal(ours.dequantized_weight(), theirs.weight)
+    assert packed.decode_stack is not None
+    prompt = list(range(40, 104))
+    a, b = sequence_logits(packed, prompt), sequence_logits(dense, prompt)
+    assert float((a - b).abs().max()) < 0.02 * float(b.abs().max())
+
+
+@pytest.mark.parametrize("mix", [PACKED_MIX, FALLBACK_MIX])
+def test_the_model_cache_keeps_the_k_quant_codes(kquant_gguf, mix, tmp_path, monkeypatch):
     monkeypatch.setenv("STEPAHEAD_CACHE", str(tmp_path / "cache"))
-    path = kquant_gguf(PACKED_MIX)
+    path = kquant_gguf(mix)
     direct = load_model(load_model_config(str(path), "cpu", quantization="auto", use_cache=False), "cpu")
     for _ in range(2):  # converted into the cache, then read back from it
         cached = load_model(load_model_config(str(path), "cpu", quantization="auto", use_cache=True), "cpu")
@@ -104,7 +124,7 @@ def test_a_mixed_file_packs_what_has_a_kernel_and_keeps_the_rest_dense(kquant_gg
     assert type(layer.self_attn.qkv_proj).__name__ == type(dense.layers[0].self_attn.qkv_proj).__name__
     assert type(layer.mlp.gate_up_proj).__name__ == type(dense.layers[0].mlp.gate_up_proj).__name__
     assert type(layer.self_attn.o_proj).__name__ == "KQuantLinear"
-    assert type(layer.mlp.down_proj).__name__ == "Int8Linear"  # Q5_0: int8 codes q - 16
+    assert (type(layer.mlp.down_proj).__name__, layer.mlp.down_proj.bits) == ("Int4Linear", 5)  # Q5_0
     assert torch.equal(layer.mlp.down_proj.dequantized_weight(), dense.layers[0].mlp.down_proj.weight)
     assert type(packed.lm_head).__name__ == "RescoredHead"  # Q8_0 output
     assert packed.decode_stack is None

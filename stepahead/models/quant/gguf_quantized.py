@@ -59,8 +59,9 @@ def gguf_has_quantized(path: str) -> bool:
 
 
 def save_quantized(weights: Iterator[tuple[str, PackedCodes]], path: Path) -> None:
-    """Codes as a safetensors file: NAME.q (uint8 4-bit or int8 codes), NAME.scales, NAME.mins; a
-    k-quant as NAME.kq (its codes), NAME.d, NAME.sc, NAME.dmin, NAME.m, its type in the metadata."""
+    """Codes as a safetensors file: NAME.q (uint8 4- or 5-bit codes, or int8 ones), NAME.scales,
+    NAME.mins; a k-quant as NAME.kq (its codes), NAME.d, NAME.sc, NAME.dmin, NAME.m. The metadata names
+    each tensor's bits ("bits5") or k-quant type ("Q6_K")."""
     from safetensors.torch import save_file
 
     tensors: dict[str, torch.Tensor] = {}
@@ -70,6 +71,7 @@ def save_quantized(weights: Iterator[tuple[str, PackedCodes]], path: Path) -> No
             kinds[name] = w.type_name
             parts = {"kq": w.q, "d": w.d, "sc": w.scales, "dmin": w.dmin, "m": w.mins}
         else:
+            kinds[name] = f"bits{w.bits}"
             parts = {"q": w.q, "scales": w.scales, "mins": w.mins}
         tensors |= {f"{name}.{key}": t.contiguous() for key, t in parts.items() if t is not None}
     save_file(tensors, str(path), metadata=kinds)
@@ -88,7 +90,7 @@ def load_quantized(path: Path) -> dict[str, PackedCodes]:
             name = key[:-2]
             scales = tensors[f"{name}.scales"]
             out[name] = GroupQuantWeight(q, scales, tensors.get(f"{name}.mins"), q.shape[1] // scales.shape[1],
-                                         4 if q.dtype == torch.uint8 else 8)
+                                         int(kinds[name].removeprefix("bits")))
         elif key.endswith(".kq"):
             name = key[:-3]
             out[name] = KQuantWeight(kinds[name], q, tensors[f"{name}.d"], tensors[f"{name}.sc"],

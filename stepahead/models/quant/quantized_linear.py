@@ -81,14 +81,19 @@ class _PackedBase(nn.Module):
 
 
 class Int4Linear(_PackedBase):
+    """4-bit codes with offsets; also GGUF's 5-bit Q5_0 / Q5_1, on stepahead's kernel only."""
+
     def __init__(self, weight: GroupQuantWeight, bias: torch.Tensor | None = None) -> None:
-        if weight.bits != 4 or weight.mins is None:
-            raise ValueError("Int4Linear needs 4-bit codes with per-group offsets")
+        if weight.bits not in (4, 5) or weight.mins is None:
+            raise ValueError("Int4Linear needs 4- or 5-bit codes with per-group offsets")
         super().__init__(*weight.shape, bias)
-        self.group_size = weight.group_size
+        self.group_size, self.bits = weight.group_size, weight.bits
         self.kernel = cpu_packed.kernel_for(self.group_size)
+        if weight.bits == 5 and self.kernel != "stepahead":
+            raise ValueError("5-bit codes run on stepahead's kernel only (groups of 32, kernels built)")
         if self.kernel == "stepahead":
-            self.register_buffer("tiles", cpu_packed.tile_q4(weight.q, weight.scales, weight.mins))
+            tile = cpu_packed.tile_q4 if weight.bits == 4 else cpu_packed.tile_q5
+            self.register_buffer("tiles", tile(weight.q, weight.scales, weight.mins))
             return
         packed = torch._convert_weight_to_int4pack_for_cpu(weight.q.to(torch.int32).contiguous(), 1)
         zeros = weight.mins + 8 * weight.scales
@@ -107,14 +112,14 @@ class Int4Linear(_PackedBase):
         """The [out, in] float32 weight the kernel multiplies with."""
         if self.kernel == "stepahead":
             codes, scales, mins = cpu_packed.untile(self.tiles, self.out_features)
-            return GroupQuantWeight(codes, scales, mins, self.group_size, 4).dequantize()
+            return GroupQuantWeight(codes, scales, mins, self.group_size, self.bits).dequantize()
         # torch's kernel through an identity input: its weight with bf16 scales and zeros.
         eye = torch.eye(self.in_features, dtype=KERNEL_DTYPE)
         return torch._weight_int4pack_mm_for_cpu(eye, self.packed, self.group_size, self.scales_zeros).float().t()
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"group_size={self.group_size}, kernel={self.kernel}")
+                f"group_size={self.group_size}, bits={self.bits}, kernel={self.kernel}")
 
 
 class Int8Linear(_PackedBase):
@@ -167,10 +172,11 @@ class KQuantLinear(_PackedBase):
 
 
 def quantized_linear(weight: GroupQuantWeight | KQuantWeight, bias: torch.Tensor | None = None) -> nn.Module:
-    """The packed module for a quantized weight: 4-bit group codes -> Int4Linear, 8-bit -> Int8Linear,
-    a k-quant -> KQuantLinear."""
+    """The packed module for a quantized weight: 4-bit group codes -> Int4Linear, 5-bit ones too on
+    stepahead's kernel (else Int8Linear, requantized per row as Q8_0 is), 8-bit -> Int8Linear, a
+    k-quant -> KQuantLinear."""
     if isinstance(weight, KQuantWeight):
         return KQuantLinear(weight, bias)
-    if weight.bits == 4:
+    if weight.bits == 4 or (weight.bits == 5 and cpu_packed.kernel_for(weight.group_size) == "stepahead"):
         return Int4Linear(weight, bias)
     return Int8Linear(weight, bias)

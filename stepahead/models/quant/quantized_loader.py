@@ -40,6 +40,7 @@ from stepahead.models.quant.packed_head import RescoredHead
 from stepahead.models.quant.prompt_rows import rows_are_invariant
 from stepahead.models.quant.quant_weights import (
     GroupQuantWeight,
+    as_symmetric_int8,
     cat_rows,
     quantize_int4,
     quantize_int8_rows,
@@ -84,8 +85,11 @@ def _source_weight(module_name: str, sources: dict[str, PackedCodes]) -> PackedC
         return None
     parts = [w for w in found if w is not None]
     if len({_format(w) for w in parts}) > 1:
-        logger.info("%s: parts quantized differently, kept dense", module_name)
-        return None
+        symmetric = [as_symmetric_int8(w) if isinstance(w, GroupQuantWeight) else None for w in parts]
+        if any(w is None for w in symmetric):
+            logger.info("%s: parts quantized differently, kept dense", module_name)
+            return None
+        parts = [w for w in symmetric if w is not None]  # Q4_0 / Q5_0 beside Q8_0: all int8 codes, exactly
     if isinstance(parts[0], KQuantWeight):
         return cat_kquant_rows([w for w in parts if isinstance(w, KQuantWeight)])
     return cat_rows([w for w in parts if isinstance(w, GroupQuantWeight)])
