@@ -1,4 +1,5 @@
-"""The 4-bit and 8-bit GEMMs (packed_gemm.cpp; built by kernels/cpu_build.py): AVX2, with AVX-512
+"""The packed GEMM over 4-, 5- and 8-bit codes and the k-quants (packed_gemm.cpp; built by
+kernels/cpu_build.py; the k-quants' layout in kernels/kquant_tiles.py): AVX2, with AVX-512
 VNNI's vpdpwssd for the dot products where the CPU has it (the same bits, see instruction_set).
 
 torch's own weight-only int4 kernel multiplies bf16 activations with weights dequantized in floating

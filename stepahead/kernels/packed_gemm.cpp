@@ -3,7 +3,9 @@
 // activations, not 8-bit).
 //
 // W is [N, K] in groups of 32 consecutive inputs, each with a float16 scale (and min), in tiles of
-// eight columns (packed_gemm.h). 4-bit (int4_gemm): w = q * scale + min with codes 0..15. 8-bit
+// eight columns (packed_gemm.h); Q5_0 / Q5_1's 5-bit codes add a chunk of fifth bits to the 4-bit
+// record, and the k-quants (Q4_K, Q5_K, Q6_K) have records per super-block of 256 inputs holding
+// llama.cpp's factors (ktile). 4-bit (int4_gemm): w = q * scale + min with codes 0..15. 8-bit
 // (int8_gemm, GGUF's Q8_0): w = q * scale with int8 codes. Each row of x is quantized per group of 32 to int16 codes qx
 // with one scale dx = max|x| / 32767, so a group's product is
 //     sum(w * x) = scale * dx * sum(q * qx) + min * dx * sum(qx)
