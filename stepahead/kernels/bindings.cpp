@@ -21,6 +21,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &stepahead_cpu::paged_decode_attention, no_gil);
   m.def("write_kv_rows", &stepahead_cpu::write_kv_rows, no_gil);
   py::class_<stepahead_cpu::DecodeStack>(m, "DecodeStack")
-      .def(py::init<const std::vector<std::vector<at::Tensor>>&, int64_t, int64_t, int64_t, double, double, bool>())
+      .def(py::init<const std::vector<std::vector<at::Tensor>>&, const std::vector<std::vector<int64_t>>&, int64_t,
+                    int64_t, int64_t, double, double, bool>())
       .def("forward", &stepahead_cpu::DecodeStack::forward, no_gil);
 }

@@ -189,7 +189,7 @@ inline void store(const __m256 (&acc)[R][C], int64_t row, const PackedWeight& w,
     for (int r = 0; r < R; ++r) {
       alignas(32) float v[kTileColumns];
       _mm256_store_ps(v, round_to_bf16(acc[r][c]));
-      float* y = out.y + (row + r) * w.N + n;
+      float* y = out.y + (row + r) * (out.stride ? out.stride : w.N) + n;
       for (int64_t i = 0; i < columns; ++i) {
         const float value = w.bias != nullptr ? v[i] + w.bias[n + i] : v[i];
         y[i] = out.accumulate ? y[i] + value : value;
@@ -501,7 +501,8 @@ void multiply(Team::Member& me, const PackedWeight& w, const QuantizedRows& x, i
     const int64_t t = block * kTilesPerBlock, count = std::min(kTilesPerBlock, tiles - t);
     const QuantizedRows rows{x.codes + first * x.row_stride, x.scales + first * (x.row_stride / kGroup),
                              x.sums + first * (x.row_stride / kGroup), x.row_stride};
-    const Output panel_out{out.y + first * w.N, out.accumulate};
+    const int64_t stride = out.stride ? out.stride : w.N;
+    const Output panel_out{out.y + first * stride, out.accumulate, stride};
     run_block(w, rows, std::min(panel, M - first), t, count, panel_out, warmer);
   });
 }
@@ -518,6 +519,25 @@ PackedWeight packed_weight(const at::Tensor& tiles, const at::Tensor& bias, int6
   TORCH_CHECK(!bias.defined() || (bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.numel() == N),
               "the bias must be a contiguous float32 [", N, "] tensor");
   return PackedWeight{format, tiles.data_ptr<uint8_t>(), bias.defined() ? bias.data_ptr<float>() : nullptr, N, K};
+}
+
+PackedParts packed_parts(const std::vector<at::Tensor>& tiles, const at::Tensor& bias, int64_t N, int64_t K) {
+  TORCH_CHECK(!tiles.empty(), "a projection needs at least one part");
+  TORCH_CHECK(!bias.defined() || (bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.numel() == N),
+              "the bias must be a contiguous float32 [", N, "] tensor");
+  PackedParts out{{}, {}, N};
+  int64_t offset = 0;
+  for (size_t i = 0; i < tiles.size(); ++i) {
+    TORCH_CHECK(tiles[i].dim() == 3, "tiles must be 3-D tensors (packed_gemm.h)");
+    const int64_t columns = i + 1 < tiles.size() ? tiles[i].size(0) * kTileColumns : N - offset;
+    TORCH_CHECK(columns > 0, "the parts' tiles hold more columns than the projection's ", N);
+    PackedWeight part = packed_weight(tiles[i], at::Tensor(), columns, K);
+    part.bias = bias.defined() ? bias.data_ptr<float>() + offset : nullptr;
+    out.parts.push_back(part);
+    out.offsets.push_back(offset);
+    offset += columns;
+  }
+  return out;
 }
 
 std::string packed_gemm_isa() { return use_vnni() ? "avx512_vnni" : "avx2"; }

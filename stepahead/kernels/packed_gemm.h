@@ -4,6 +4,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "team.h"
 #include "warmer.h"
@@ -93,12 +94,25 @@ PackedWeight packed_weight(const at::Tensor& tiles, const at::Tensor& bias, int6
 // The inputs K of a weight from its tiles' shape [tiles, K / record_inputs, record_bytes].
 int64_t packed_inputs(const at::Tensor& tiles);
 
-// Where a block's outputs go: y[m, n] for m < M, row stride N; accumulate adds them to what y holds
-// (a residual stream), as torch's y + projection would.
+// Where a block's outputs go: y[m, n] for m < M, rows `stride` floats apart (0: the weight's N);
+// accumulate adds them to what y holds (a residual stream), as torch's y + projection would.
 struct Output {
   float* y;
   bool accumulate;
+  int64_t stride = 0;
 };
+
+// A projection of parts side by side, each packed in its own format (a fused q/k/v whose v is packed
+// otherwise than q and k): part i computes columns offsets[i] .. offsets[i] + parts[i].N of N.
+struct PackedParts {
+  std::vector<PackedWeight> parts;
+  std::vector<int64_t> offsets;
+  int64_t N;
+};
+
+// The parts' tiles (each part's N the tiles' whole columns, the last one's what is left of N) and the
+// whole projection's bias [N] float32 or undefined; fails unless the tensors are so.
+PackedParts packed_parts(const std::vector<at::Tensor>& tiles, const at::Tensor& bias, int64_t N, int64_t K);
 
 // M quantized rows times W^T, rounded to bfloat16 values, plus the bias: one phase of the team, its
 // items blocks of 16 columns (two tiles) over a panel of rows (all of a decode step's).

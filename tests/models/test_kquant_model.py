@@ -22,6 +22,8 @@ PACKED_MIX = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q4_K", "attn_output
 # Q8_0 for Q6_K (some layers' attn_v), k-quants where the rows allow
 FALLBACK_MIX = {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q5_0",
                 "ffn_gate": "Q5_1", "ffn_up": "Q5_1", "ffn_down": "Q4_K", "output": "Q8_0"}
+# a larger model's Q4_K_M: some layers' v in Q6_K beside q/k in Q4_K; here gate and up differ too
+PARTS_MIX = {**PACKED_MIX, "attn_v": "Q6_K", "ffn_up": "Q4_K"}
 DENSE_PARTS_MIX = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q6_K",
                    "ffn_gate": "F16", "ffn_up": "Q4_K", "ffn_down": "Q5_0", "output": "Q8_0"}
 
@@ -120,8 +122,8 @@ def test_the_model_cache_keeps_the_k_quant_codes(kquant_gguf, mix, tmp_path, mon
 def test_a_mixed_file_packs_what_has_a_kernel_and_keeps_the_rest_dense(kquant_gguf, caplog):
     packed, dense = _models(kquant_gguf(DENSE_PARTS_MIX))
     layer = packed.layers[0]
-    # q/k Q4_K beside v Q6_K, gate F16 beside up Q4_K: the fused projections stay dense
-    assert type(layer.self_attn.qkv_proj).__name__ == type(dense.layers[0].self_attn.qkv_proj).__name__
+    # q/k Q4_K beside v Q6_K: two packed parts; gate F16 beside up Q4_K: the fused projection stays dense
+    assert [p.type_name for p in layer.self_attn.qkv_proj.parts] == ["Q4_K", "Q6_K"]
     assert type(layer.mlp.gate_up_proj).__name__ == type(dense.layers[0].mlp.gate_up_proj).__name__
     assert type(layer.self_attn.o_proj).__name__ == "KQuantLinear"
     assert (type(layer.mlp.down_proj).__name__, layer.mlp.down_proj.bits) == ("Int4Linear", 5)  # Q5_0
@@ -133,12 +135,25 @@ def test_a_mixed_file_packs_what_has_a_kernel_and_keeps_the_rest_dense(kquant_gg
     assert float((a - b).abs().max()) < 0.02 * float(b.abs().max())
 
 
-def test_a_decode_step_over_mixed_formats_in_one_call_is_the_layers_step_bitwise(kquant_gguf):
+def test_parts_packed_differently_run_side_by_side(kquant_gguf):
+    packed, dense = _models(kquant_gguf(PARTS_MIX))
+    layer, ref = packed.layers[0], dense.layers[0]
+    assert [p.type_name for p in layer.self_attn.qkv_proj.parts] == ["Q4_K", "Q6_K"]  # q and k fused
+    assert [p.type_name for p in layer.mlp.gate_up_proj.parts] == ["Q5_K", "Q4_K"]
+    assert torch.equal(layer.self_attn.qkv_proj.dequantized_weight(), ref.self_attn.qkv_proj.weight)
+    assert torch.equal(layer.mlp.gate_up_proj.dequantized_weight(), ref.mlp.gate_up_proj.weight)
+    assert packed.decode_stack is not None
+    prompt = list(range(40, 104))
+    a, b = sequence_logits(packed, prompt), sequence_logits(dense, prompt)
+    assert float((a - b).abs().max()) < 0.02 * float(b.abs().max())
+
+
+@pytest.mark.parametrize("mix", [PACKED_MIX, PARTS_MIX, FALLBACK_MIX])
+def test_a_decode_step_over_mixed_formats_in_one_call_is_the_layers_step_bitwise(kquant_gguf, mix):
     from stepahead.attention.rows import BatchRow
     from tests.kernels.test_cpu_decode_stack import _clone, _layers_step, _random_cache, _step
 
-    model = load_model(load_model_config(str(kquant_gguf(PACKED_MIX)), "cpu", quantization="auto",
-                                         use_cache=False), "cpu")
+    model = load_model(load_model_config(str(kquant_gguf(mix)), "cpu", quantization="auto", use_cache=False), "cpu")
     assert model.decode_stack is not None
     rows = [BatchRow(0, 1, 5, [7]), BatchRow(1, 1, 17, [3, 12]), BatchRow(2, 1, 70, [20, 2, 9, 31, 14])]
     ids = torch.tensor([11, 22, 33])

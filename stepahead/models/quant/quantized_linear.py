@@ -171,6 +171,33 @@ class KQuantLinear(_PackedBase):
                 f"type={self.type_name}, kernel={self.kernel}")
 
 
+class PackedParts(_PackedBase):
+    """A fused projection (q/k/v, gate/up) whose parts are packed in different formats, as llama.cpp's
+    Q4_K_M gives some layers' v more bits than q and k: each part runs its own kernel and the outputs
+    lie side by side. Parts must be on stepahead's kernel, and each but the last whole tiles of eight
+    columns (DecodeStack runs them the same way: packed_gemm.h, PackedParts)."""
+
+    kernel = "stepahead"
+
+    def __init__(self, parts: list[nn.Module], bias: torch.Tensor | None = None) -> None:
+        if any(getattr(p, "kernel", None) != "stepahead" or getattr(p, "tiles", None) is None for p in parts):
+            raise ValueError("PackedParts needs parts packed on stepahead's kernel")
+        sizes = [int(p.out_features) for p in parts]
+        if any(size % cpu_packed.TILE for size in sizes[:-1]):
+            raise ValueError(f"every part but the last needs a multiple of {cpu_packed.TILE} outputs")
+        super().__init__(sum(sizes), int(parts[0].in_features), bias)
+        self.parts = nn.ModuleList(parts)
+
+    def _packed_mm(self, flat: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part._packed_mm(flat) for part in self.parts], dim=-1)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return torch.cat([part.dequantized_weight() for part in self.parts])
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, parts={len(self.parts)}"
+
+
 def quantized_linear(weight: GroupQuantWeight | KQuantWeight, bias: torch.Tensor | None = None) -> nn.Module:
     """The packed module for a quantized weight: 4-bit group codes -> Int4Linear, 5-bit ones too on
     stepahead's kernel (else Int8Linear, requantized per row as Q8_0 is), 8-bit -> Int8Linear, a

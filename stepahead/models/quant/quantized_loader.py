@@ -45,7 +45,7 @@ from stepahead.models.quant.quant_weights import (
     quantize_int4,
     quantize_int8_rows,
 )
-from stepahead.models.quant.quantized_linear import quantized_linear
+from stepahead.models.quant.quantized_linear import PackedParts, quantized_linear
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +76,9 @@ def _format(w: PackedCodes) -> tuple:
     return (w.type_name,) if isinstance(w, KQuantWeight) else (w.bits, w.group_size, w.mins is None)
 
 
-def _source_weight(module_name: str, sources: dict[str, PackedCodes]) -> PackedCodes | None:
-    """The codes of a module from per-checkpoint-tensor codes (fusing parts), or None to keep it dense."""
+def _source_weight(module_name: str, sources: dict[str, PackedCodes]) -> PackedCodes | list[PackedCodes] | None:
+    """The codes of a module from per-checkpoint-tensor codes: one weight (its parts fused), the parts
+    apart where they are packed differently (PackedParts), or None to keep it dense."""
     prefix, _, leaf = module_name.rpartition(".")
     hf_prefix = prefix if prefix.startswith("model.") else "model." + prefix
     found = [sources.get(f"{hf_prefix}.{part}.weight") for part in FUSED_PARTS.get(leaf, (leaf,))]
@@ -87,12 +88,43 @@ def _source_weight(module_name: str, sources: dict[str, PackedCodes]) -> PackedC
     if len({_format(w) for w in parts}) > 1:
         symmetric = [as_symmetric_int8(w) if isinstance(w, GroupQuantWeight) else None for w in parts]
         if any(w is None for w in symmetric):
-            logger.info("%s: parts quantized differently, kept dense", module_name)
-            return None
+            return _runs_fused(parts)  # each run of parts in its own format, side by side
         parts = [w for w in symmetric if w is not None]  # Q4_0 / Q5_0 beside Q8_0: all int8 codes, exactly
+    return _fused(parts)
+
+
+def _runs_fused(parts: list[PackedCodes]) -> list[PackedCodes]:
+    """Neighbouring parts of one format fused (q and k of Q4_K beside v of Q6_K: two parts, not three)."""
+    runs: list[list[PackedCodes]] = []
+    for w in parts:
+        if runs and _format(runs[-1][0]) == _format(w):
+            runs[-1].append(w)
+        else:
+            runs.append([w])
+    return [run[0] if len(run) == 1 else _fused(run) for run in runs]
+
+
+def _fused(parts: list[PackedCodes]) -> PackedCodes:
+    """Parts of one format as one weight."""
     if isinstance(parts[0], KQuantWeight):
         return cat_kquant_rows([w for w in parts if isinstance(w, KQuantWeight)])
     return cat_rows([w for w in parts if isinstance(w, GroupQuantWeight)])
+
+
+def _packed_module(name: str, weight: PackedCodes | list[PackedCodes], bias: torch.Tensor | None) -> nn.Module | None:
+    """The packed module for one weight, or for parts packed differently (PackedParts: stepahead's
+    kernel only, and whole tiles of columns; else None, the module stays dense, logged)."""
+    if not isinstance(weight, list):
+        return quantized_linear(_packable(weight), bias)
+    if not cpu_packed.available() or any(w.shape[0] % cpu_packed.TILE for w in weight[:-1]):
+        logger.info("%s: parts quantized differently and no packed kernel runs them side by side here, kept dense",
+                    name)
+        return None
+    parts = [quantized_linear(_packable(w)) for w in weight]
+    if any(getattr(p, "kernel", None) != "stepahead" for p in parts):
+        logger.info("%s: parts quantized differently, one without stepahead's kernel, kept dense", name)
+        return None
+    return PackedParts(parts, bias)
 
 
 def _packable(w: PackedCodes) -> PackedCodes:
@@ -134,20 +166,22 @@ def quantize_model(model: nn.Module, mode: str, sources: dict[str, PackedCodes] 
     swapped = 0
     dense_invariant: dict[tuple[int, int], bool] = {}  # BLAS picks its code path by shape, not values
     for name, module in targets:
-        weight: PackedCodes | None
+        weight: PackedCodes | list[PackedCodes] | None
         if mode == "gguf":
             weight = _source_weight(name, sources)
         else:
             weight = quantize_int4(module.weight) if mode == "int4" else quantize_int8_rows(module.weight)
         if weight is None:
             continue
-        if weight.shape != tuple(module.weight.shape):
-            raise ValueError(f"{name}: quantized weight has shape {weight.shape}, "
-                             f"the model's is {tuple(module.weight.shape)}")
-        bias = getattr(module, "bias", None)
-        packed = quantized_linear(_packable(weight), bias)
+        shape = (sum(w.shape[0] for w in weight), weight[0].shape[1]) if isinstance(weight, list) else weight.shape
+        if shape != tuple(module.weight.shape):
+            raise ValueError(f"{name}: quantized weight has shape {shape}, the model's is {tuple(module.weight.shape)}")
+        packed = _packed_module(name, weight, getattr(module, "bias", None))
+        if packed is None:
+            continue
         if packed.kernel == "torch":  # prompt rows then run dense (see above)
             # A GGUF model was loaded from the file's own dequantization: the same values.
+            assert not isinstance(weight, list)  # PackedParts run stepahead's kernel
             dense = module.weight.detach() if mode == "gguf" else weight.dequantize().to(module.weight.dtype)
             shape = tuple(dense.shape)
             if shape not in dense_invariant:
