@@ -8,10 +8,13 @@
 #   benchmarks/vs_llama_server.sh GGUF LLAMA_SERVER TOKENIZER_DIR [ROUNDS] [OUTDIR]
 #
 # TOKENIZER_DIR: a folder with the model's tokenizer (the model cache's entry for the GGUF file).
+# LLAMA_THREADS: llama-server's -t (default 2). On a machine whose cores other work also uses, its
+# threads spin at every barrier for a partner that lost its core; -t 1 has no barriers to wait at.
 # llama.cpp is built as docs/BENCHMARKS.md section 14.1 says; it is no dependency of stepahead.
 set -euo pipefail
 GGUF=$1 LLAMA_SERVER=$2 TOKENIZER=$3 ROUNDS=${4:-3} OUT=${5:-/tmp/vs-llama-server}
 STEPAHEAD=${STEPAHEAD:-.venv/bin/stepahead}
+LLAMA_THREADS=${LLAMA_THREADS:-2}
 PYTHON=${PYTHON:-.venv/bin/python}
 mkdir -p "$OUT"
 
@@ -40,7 +43,7 @@ for round in $(seq "$ROUNDS"); do
   for engine in $order; do
     if [ "$engine" = llama ]; then
       port=8091
-      "$LLAMA_SERVER" -m "$GGUF" -t 2 -np 32 -c 8192 -cb --port "$port" >"$OUT/llama-server.log" 2>&1 &
+      "$LLAMA_SERVER" -m "$GGUF" -t "$LLAMA_THREADS" -np 32 -c 8192 -cb --port "$port" >"$OUT/llama-server.log" 2>&1 &
     else
       port=8092
       "$STEPAHEAD" serve "$GGUF" --port "$port" >"$OUT/stepahead-serve.log" 2>&1 &
