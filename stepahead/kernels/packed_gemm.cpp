@@ -281,8 +281,9 @@ __attribute__((noinline)) void ktile(const QuantizedRows& xq, int64_t row, const
   __m256 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
-  const bool prefetch = R < 4 && row == 0;  // as tile's: about 8 KB ahead
-  constexpr int64_t kPrefetchSupers = (kPrefetchGroups * 160 + kRecord - 1) / kRecord;
+  const bool prefetch = R < 4 && row == 0;  // as tile's, about as many bytes ahead as its 4-bit records
+  constexpr int64_t kPrefetchSupers =
+      (kPrefetchGroups * record_bytes(PackedWeight::Format::kQ4) + kRecord - 1) / kRecord;
   for (int64_t sb = 0; sb < supers; ++sb) {
     const uint8_t* record[C];
     __m256 d[C], neg_dmin[C];
