@@ -1,4 +1,4 @@
-"""Quantized weights as plain tensors: GGUF Q4_0 / Q4_1 / Q8_0 blocks decoded without dequantizing, and
+"""Quantized weights as plain tensors: GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 blocks decoded without dequantizing, and
 dense weights quantized the same way (for `--quantization int4|int8` on safetensors checkpoints).
 
 A GroupQuantWeight is one [out, in] matrix as integer codes with one scale (and, for 4 bits, one
