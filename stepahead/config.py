@@ -44,7 +44,7 @@ class ModelConfig:
     # End tokens beyond eos_token_id (config.json's or generation_config.json's list): they finish
     # requests as EOS does, unless ignore_eos.
     extra_eos_token_ids: tuple[int, ...] = ()
-    # "none": dense weights in dtype; "gguf": the GGUF file's Q4_0/Q4_1/Q8_0 tensors kept packed;
+    # "none": dense weights in dtype; "gguf": the GGUF file's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 and Q4_K/Q5_K/Q6_K tensors kept packed;
     # "int4"/"int8": projections quantized at load (CPU; models/quant/quantized_loader.py). Never "auto".
     quantization: str = "none"
     # Each layer's attention window in tokens (None: the layer attends to the whole context); empty

@@ -48,7 +48,7 @@ class EngineArgs:
     model: str | None = _arg(None, "model folder or .gguf file (default: the built-in SmolLM2-135M-Instruct)")
     dtype: str = _arg("auto", "weights and activations dtype ('auto': chosen from the checkpoint and the device)")
     quantization: str = _arg(
-        "auto", "weights kept packed on CPU: 'gguf' keeps a GGUF file's Q4_0/Q4_1/Q8_0 tensors (and a quantized "
+        "auto", "weights kept packed on CPU: 'gguf' keeps a GGUF file's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K tensors (and a quantized "
                 "output head) packed; 'int4'/'int8' quantize the projections at load; 'auto' (default): 'gguf' "
                 "for a quantized GGUF file on CPU with one rank, else 'none'; 'none': dense weights in --dtype "
                 "(the reference path)")

@@ -12,8 +12,7 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   const auto no_gil = py::call_guard<py::gil_scoped_release>();
-  m.def("int4_gemm", &stepahead_cpu::int4_gemm, no_gil);
-  m.def("int8_gemm", &stepahead_cpu::int8_gemm, no_gil);
+  m.def("packed_gemm", &stepahead_cpu::packed_gemm, no_gil);
   m.def("packed_gemm_isa", &stepahead_cpu::packed_gemm_isa);
   m.def("rms_norm", &stepahead_cpu::rms_norm, no_gil);
   m.def("silu_mul", &stepahead_cpu::silu_mul, no_gil);
@@ -22,6 +21,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &stepahead_cpu::paged_decode_attention, no_gil);
   m.def("write_kv_rows", &stepahead_cpu::write_kv_rows, no_gil);
   py::class_<stepahead_cpu::DecodeStack>(m, "DecodeStack")
-      .def(py::init<const std::vector<std::vector<at::Tensor>>&, int64_t, int64_t, int64_t, double, double, bool>())
+      .def(py::init<const std::vector<std::vector<at::Tensor>>&, const std::vector<std::vector<int64_t>>&, int64_t,
+                    int64_t, int64_t, double, double, bool>())
       .def("forward", &stepahead_cpu::DecodeStack::forward, no_gil);
 }

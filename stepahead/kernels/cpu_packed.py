@@ -1,4 +1,5 @@
-"""The 4-bit and 8-bit GEMMs (packed_gemm.cpp; built by kernels/cpu_build.py): AVX2, with AVX-512
+"""The packed GEMM over 4-, 5- and 8-bit codes and the k-quants (packed_gemm.cpp; built by
+kernels/cpu_build.py; the k-quants' layout in kernels/kquant_tiles.py): AVX2, with AVX-512
 VNNI's vpdpwssd for the dot products where the CPU has it (the same bits, see instruction_set).
 
 torch's own weight-only int4 kernel multiplies bf16 activations with weights dequantized in floating
@@ -43,13 +44,20 @@ def instruction_set() -> str:
 def int4_gemm(x: torch.Tensor, tiles: torch.Tensor, out_features: int) -> torch.Tensor:
     """x [M, K] float32 times the [N, K] weight  codes * scales + mins  (tile_q4's layout,
     N = out_features): [M, N] float32, with x and the result rounded to bf16 values."""
-    return _op("int4_gemm")(x, tiles, out_features)
+    return packed_gemm(x, tiles, out_features)
 
 
 def int8_gemm(x: torch.Tensor, tiles: torch.Tensor, out_features: int) -> torch.Tensor:
     """x [M, K] float32 times the [N, K] weight  codes * scales  (tile_q8's layout, N = out_features):
     [M, N] float32, with x and the result rounded to bf16 values."""
-    return _op("int8_gemm")(x, tiles, out_features)
+    return packed_gemm(x, tiles, out_features)
+
+
+def packed_gemm(x: torch.Tensor, tiles: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x [M, K] float32 times a packed [N, K] weight in any of the kernels' layouts (tile_q4, tile_q8,
+    kernels/kquant_tiles.py's tile_kquant; the record size names the format): [M, N] float32, with x and
+    the result rounded to bf16 values."""
+    return _op("packed_gemm")(x, tiles, out_features)
 
 
 @functools.cache
@@ -61,6 +69,7 @@ def _op(name: str):
 TILE = 8  # columns per tile of the kernels' layout
 PAIRS = GROUP // 2  # pairs of inputs per group: the kernels multiply a pair for eight columns at once
 Q4_RECORD = TILE * GROUP // 2 + 2 * TILE * 2  # bytes per tile and group: nibbles, float16 scales and mins
+Q5_RECORD = Q4_RECORD + 32  # and the fifth bits
 
 
 def tile_q4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
@@ -71,6 +80,37 @@ def tile_q4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.
     return _records(slots[..., 0::2] | (slots[..., 1::2] << 4), scales, mins)
 
 
+def tile_q5(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """Codes 0..31 [N, K] (GGUF's Q5_0 as q with min -16 d, Q5_1), their scales and mins [N, K / 32]: per
+    tile and group tile_q4's nibbles of the low four bits, then one 32-byte chunk of fifth bits (bit b of
+    int16 lane 2 * column + e: input 2b + e), then the float16 scales and mins. [ceil(N / 8), K / 32, 192]."""
+    codes = q.to(torch.uint8)
+    slots = _slots(codes & 0x0F, 4)
+    nibbles = (slots[..., 0::2] | (slots[..., 1::2] << 4)).reshape(*slots.shape[:2], -1)
+    return _records(torch.cat((nibbles, high_bits(codes, 1, 1)), dim=-1), scales, mins)
+
+
+def high_bits(codes: torch.Tensor, bits: int, chunks: int) -> torch.Tensor:
+    """The bits above the nibble of codes [N, K] as `chunks` 32-byte chunks per tile and group of 32:
+    chunk k's int16 lane 2 * column + e holds, at bits * b', the high bits of input 2 (16 / chunks * k +
+    b') + e. [ceil(N / 8), K / 32, 32 * chunks] uint8."""
+    high = _pad_to_tiles((codes >> 4).to(torch.int32))
+    count, groups = high.shape[0] // TILE, high.shape[1] // GROUP
+    # [tile, column, group, chunk, b', e] -> [tile, group, chunk, column, e, b']
+    high = high.reshape(count, TILE, groups, chunks, PAIRS // chunks, 2).permute(0, 2, 3, 1, 5, 4)
+    lanes = (high << (bits * torch.arange(PAIRS // chunks, dtype=torch.int32))).sum(-1)
+    return torch.stack((lanes & 0xFF, lanes >> 8), dim=-1).to(torch.uint8).reshape(count, groups, -1)
+
+
+def unpack_high_bits(high: torch.Tensor, bits: int, chunks: int) -> torch.Tensor:
+    """high_bits undone: [tile, group, 32 * chunks] bytes -> the high bits [tile * 8, group * 32] (int32)."""
+    count, groups = high.shape[:2]
+    lane_bytes = high.reshape(count, groups, chunks, TILE, 2, 2)
+    lanes = lane_bytes[..., 0].to(torch.int32) | (lane_bytes[..., 1].to(torch.int32) << 8)
+    values = (lanes.unsqueeze(-1) >> (bits * torch.arange(PAIRS // chunks, dtype=torch.int32))) & ((1 << bits) - 1)
+    return values.permute(0, 3, 1, 2, 5, 4).reshape(count * TILE, groups * GROUP)
+
+
 def tile_q8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """int8 codes [N, K] and their scales [N, K / 32] (GGUF's Q8_0) in the kernels' layout: per tile of
     eight columns and group, 256 bytes of codes then the eight float16 scales. [ceil(N / 8), K / 32, 272]."""
@@ -78,12 +118,13 @@ def tile_q8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 def untile(tiles: torch.Tensor, out_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """tile_q4 or tile_q8 undone: the codes [N, K] (uint8 0..15 or int8), the scales [N, K / 32] and the
-    mins [N, K / 32] (None for 8-bit codes), float32."""
+    """tile_q4, tile_q5 or tile_q8 undone: the codes [N, K] (uint8 0..15 or 0..31, or int8), the scales
+    [N, K / 32] and the mins [N, K / 32] (None for 8-bit codes), float32."""
     count, groups, record = tiles.shape
-    four_bits = record == Q4_RECORD
-    code_bytes = tiles[..., : TILE * GROUP // (2 if four_bits else 1)]
-    if four_bits:  # nibbles: low then high of each byte
+    with_mins = record in (Q4_RECORD, Q5_RECORD)
+    nibble_bytes = TILE * GROUP // (2 if with_mins else 1)
+    code_bytes = tiles[..., :nibble_bytes]
+    if with_mins:  # nibbles: low then high of each byte
         slot_count = 4
         b = code_bytes.reshape(count, groups, -1, TILE, 2, 2)
         slots = torch.stack((b & 0x0F, b >> 4), dim=-1).flatten(-2)
@@ -93,10 +134,14 @@ def untile(tiles: torch.Tensor, out_features: int) -> tuple[torch.Tensor, torch.
     # [tile, group, chunk, column, e, slot] -> [tile, column, group, chunk, slot, e]:
     # input 2 * (slot_count * chunk + slot) + e
     codes = slots.reshape(count, groups, PAIRS // slot_count, TILE, 2, slot_count).permute(0, 3, 1, 2, 5, 4)
-    halves = tiles[..., code_bytes.shape[-1]:].contiguous().view(torch.float16).float()
+    codes = codes.reshape(count * TILE, groups * GROUP)
+    if record == Q5_RECORD:
+        high = tiles[..., nibble_bytes:nibble_bytes + 32]
+        codes = (codes.to(torch.int32) | (unpack_high_bits(high, 1, 1) << 4)).to(torch.uint8)
+        nibble_bytes += 32
+    halves = tiles[..., nibble_bytes:].contiguous().view(torch.float16).float()
     halves = halves.reshape(count, groups, -1, TILE).permute(2, 0, 3, 1).reshape(-1, count * TILE, groups)
-    return (codes.reshape(count * TILE, groups * GROUP)[:out_features], halves[0][:out_features],
-            halves[1][:out_features] if four_bits else None)
+    return codes[:out_features], halves[0][:out_features], halves[1][:out_features] if with_mins else None
 
 
 def _slots(q: torch.Tensor, slot_count: int) -> torch.Tensor:

@@ -3,7 +3,7 @@
 // On the packed path a decode step of one row spent about half its time in Python: the layers'
 // module calls and the dispatch of some twenty operators per layer, each a few microseconds, thirty
 // layers deep. This runs the same arithmetic in the same order from C++: the kernels the Python
-// layers call (rms_norm with torch's arithmetic, or torch's own where that is not available; int4
+// layers call (rms_norm with torch's arithmetic, or torch's own where that is not available; the packed
 // GEMM, rope, silu(gate) * up, decode attention), and the residual adds and K/V writes, which are
 // single float additions and copies (into a 16-bit cache rounded as torch rounds, kv_store.h). Its
 // outputs are bitwise the Python path's (tested), and a row's result still depends on the row alone.
@@ -31,28 +31,38 @@ namespace stepahead_cpu {
 
 namespace {
 
-// A projection's tiles and bias, from index `first` of a layer's tensors; W [N, K].
-Int4Weight int4_weight(const std::vector<at::Tensor>& t, size_t first, int64_t N, int64_t K) {
-  const at::Tensor bias = t[first + 1].numel() ? t[first + 1] : at::Tensor();
-  return Int4Weight{t[first], bias, q4_weight(t[first], bias, N, K)};
+// A projection's parts' tiles (any packed formats) and bias, from index `first` of a layer's tensors;
+// W [N, K].
+PackedProjection projection(const std::vector<at::Tensor>& t, size_t first, int64_t parts, int64_t N, int64_t K) {
+  TORCH_CHECK(parts >= 1 && first + parts < t.size(), "a layer's tensors end before its projections' parts");
+  const std::vector<at::Tensor> tiles(t.begin() + first, t.begin() + first + parts);
+  const at::Tensor bias = t[first + parts].numel() ? t[first + parts] : at::Tensor();
+  return PackedProjection{tiles, bias, packed_parts(tiles, bias, N, K)};
 }
 
 }  // namespace
 
-DecodeStack::DecodeStack(const std::vector<std::vector<at::Tensor>>& layers, int64_t heads, int64_t kv_heads,
+DecodeStack::DecodeStack(const std::vector<std::vector<at::Tensor>>& layers,
+                         const std::vector<std::vector<int64_t>>& parts, int64_t heads, int64_t kv_heads,
                          int64_t head_dim, double eps, double scale, bool exact_norm)
     : hidden_(0), inter_(0), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
       exact_norm_(exact_norm) {
   const int64_t q_dim = heads * head_dim, qkv_dim = (heads + 2 * kv_heads) * head_dim;
-  for (const auto& t : layers) {
-    TORCH_CHECK(t.size() == kTensorsPerLayer, "a layer takes ", kTensorsPerLayer, " tensors, got ", t.size());
-    // down's tiles: [hidden / 8, inter / 32, record]
-    if (layers_.empty()) hidden_ = t[0].numel(), inter_ = t[8].size(1) * kGroup;
+  TORCH_CHECK(parts.size() == layers.size(), "one list of part counts per layer");
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const auto& t = layers[i];
+    const auto& p = parts[i];
+    TORCH_CHECK(p.size() == 4, "a layer has four projections, got ", p.size(), " part counts");
+    TORCH_CHECK(t.size() == 2 + 4 + static_cast<size_t>(p[0] + p[1] + p[2] + p[3]),
+                "a layer takes its two norms, then each projection's parts and bias");
+    const size_t o = 2 + p[0] + 1, gate_up = o + p[1] + 1, down = gate_up + p[2] + 1;
+    if (layers_.empty()) hidden_ = t[0].numel(), inter_ = packed_inputs(t[down]);  // down's inputs
     for (const at::Tensor* norm : {&t[0], &t[1]})
       TORCH_CHECK(norm->scalar_type() == at::kFloat && norm->is_contiguous() && norm->numel() == hidden_,
                   "the norm weights must be contiguous float32 [hidden] tensors");
-    layers_.push_back(Layer{t[0], t[1], int4_weight(t, 2, qkv_dim, hidden_), int4_weight(t, 4, hidden_, q_dim),
-                            int4_weight(t, 6, 2 * inter_, hidden_), int4_weight(t, 8, hidden_, inter_)});
+    layers_.push_back(Layer{t[0], t[1], projection(t, 2, p[0], qkv_dim, hidden_),
+                            projection(t, o, p[1], hidden_, q_dim), projection(t, gate_up, p[2], 2 * inter_, hidden_),
+                            projection(t, down, p[3], hidden_, inter_)});
   }
 }
 
@@ -133,8 +143,9 @@ at::Tensor DecodeStack::forward(at::Tensor h_in, const at::Tensor& cos_sin, cons
         quantize_row(np + r * hidden_, hidden_, xq, r);
       });
     };
-    const auto project = [&](const PackedWeight& w, float* y, bool accumulate) {
-      multiply(me, w, xq, rows, Output{y, accumulate}, &warmer);
+    const auto project = [&](const PackedParts& w, float* y, bool accumulate) {
+      for (size_t part = 0; part < w.parts.size(); ++part)
+        multiply(me, w.parts[part], xq, rows, Output{y + w.offsets[part], accumulate, w.N}, &warmer);
     };
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];

@@ -10,21 +10,20 @@
 namespace stepahead_cpu {
 
 // A packed projection's tensors and the kernel's view of them.
-struct Int4Weight {
-  at::Tensor tiles;  // int4_gemm's operand
-  at::Tensor bias;   // undefined: none
-  PackedWeight view;
+struct PackedProjection {
+  std::vector<at::Tensor> tiles;  // packed_gemm's operands, one per part, any format
+  at::Tensor bias;                // undefined: none
+  PackedParts view;
 };
 
 class DecodeStack {
  public:
-  // Per layer, in this order: input norm weight, post-attention norm weight, then tiles and bias (an
-  // empty tensor for none) of the q/k/v, o, gate/up and down projections.
-  static constexpr size_t kTensorsPerLayer = 10;
-
+  // Per layer, in this order: input norm weight, post-attention norm weight, then for each of the q/k/v,
+  // o, gate/up and down projections its parts' tiles (`parts[layer][projection]` of them: one, or
+  // several packed in different formats side by side) and its bias (an empty tensor for none).
   // exact_norm: stepahead's rms_norm is torch's arithmetic on this CPU (else torch's own is called).
-  DecodeStack(const std::vector<std::vector<at::Tensor>>& layers, int64_t heads, int64_t kv_heads, int64_t head_dim,
-              double eps, double scale, bool exact_norm);
+  DecodeStack(const std::vector<std::vector<at::Tensor>>& layers, const std::vector<std::vector<int64_t>>& parts,
+              int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale, bool exact_norm);
 
   // h [rows, hidden] float32 (the residual stream entering the first layer), one new token per row:
   // the residual stream after the last layer. cos_sin [rows, 2, head_dim]: the tokens' rope rows; the
@@ -37,7 +36,7 @@ class DecodeStack {
  private:
   struct Layer {
     at::Tensor input_norm, post_norm;
-    Int4Weight qkv, o, gate_up, down;
+    PackedProjection qkv, o, gate_up, down;
   };
   std::vector<Layer> layers_;
   int64_t hidden_, inter_, heads_, kv_heads_, head_dim_;

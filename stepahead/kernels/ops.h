@@ -7,15 +7,12 @@
 
 namespace stepahead_cpu {
 
-// y [M, N] = x [M, K] float32 times the 4-bit [N, K] weight  codes * scales + mins  in tiles of eight
-// columns (packed_gemm.h).
-at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& tiles, int64_t N);
+// y [M, N] = x [M, K] float32 times the packed [N, K] weight in tiles of eight columns, in any of its
+// formats (Q4_0 / Q4_1's 4-bit codes, Q8_0's, the k-quants Q4_K, Q5_K and Q6_K; packed_gemm.h), which
+// the tiles' record size names.
+at::Tensor packed_gemm(const at::Tensor& x, const at::Tensor& tiles, int64_t N);
 
-// y [M, N] = x [M, K] float32 times the 8-bit [N, K] weight  codes * scales  (GGUF's Q8_0) in tiles of
-// eight columns (packed_gemm.h).
-at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& tiles, int64_t N);
-
-// Which instructions int4_gemm and int8_gemm multiply with here: "avx512_vnni" (vpdpwssd) or "avx2"
+// Which instructions packed_gemm multiplies with here: "avx512_vnni" (vpdpwssd) or "avx2"
 // (vpmaddwd and vpaddd); the same bits either way (packed_gemm.cpp).
 std::string packed_gemm_isa();
 

@@ -3,7 +3,9 @@
 // activations, not 8-bit).
 //
 // W is [N, K] in groups of 32 consecutive inputs, each with a float16 scale (and min), in tiles of
-// eight columns (packed_gemm.h). 4-bit (int4_gemm): w = q * scale + min with codes 0..15. 8-bit
+// eight columns (packed_gemm.h); Q5_0 / Q5_1's 5-bit codes add a chunk of fifth bits to the 4-bit
+// record, and the k-quants (Q4_K, Q5_K, Q6_K) have records per super-block of 256 inputs holding
+// llama.cpp's factors (ktile). 4-bit (int4_gemm): w = q * scale + min with codes 0..15. 8-bit
 // (int8_gemm, GGUF's Q8_0): w = q * scale with int8 codes. Each row of x is quantized per group of 32 to int16 codes qx
 // with one scale dx = max|x| / 32767, so a group's product is
 //     sum(w * x) = scale * dx * sum(q * qx) + min * dx * sum(qx)
@@ -75,23 +77,75 @@ constexpr int64_t kPanelBytes = 256 * 1024;
 // Q4: nibbles, codes 0..15, w = q * scale + min. Q8 (GGUF's Q8_0 blocks): signed bytes, w = q * scale.
 struct Q4 {
   static constexpr PackedWeight::Format kFormat = PackedWeight::Format::kQ4;
-  static constexpr int kSlots = 4;
-  static constexpr bool kHasMins = true;
+  static constexpr bool kSuper = false;
+  static constexpr int kSlots = 4, kChunks = 4;
+  static constexpr bool kHasMins = true, kHigh = false;
   static __m256i unpack(__m256i chunk, int s) {
     if (s == 3) return _mm256_srli_epi16(chunk, 12);
     return _mm256_and_si256(_mm256_srli_epi16(chunk, 4 * s), _mm256_set1_epi16(0x0f));
+  }
+  static __m256i code(__m256i chunk, __m256i, int, int s) { return unpack(chunk, s); }
+};
+
+// Bit b = 4 j + s of each int16 lane of `high` moved to bit 4 (a 5-bit code's fifth bit).
+inline __m256i fifth_bit(__m256i high, int j, int s) {
+  const int b = 4 * j + s;
+  const __m256i h = b >= 4 ? _mm256_srli_epi16(high, b - 4) : _mm256_slli_epi16(high, 4 - b);
+  return _mm256_and_si256(h, _mm256_set1_epi16(0x10));
+}
+
+// Q5 (GGUF's Q5_0, Q5_1): Q4's nibbles with the fifth bits in one chunk after them.
+struct Q5 {
+  static constexpr PackedWeight::Format kFormat = PackedWeight::Format::kQ5;
+  static constexpr bool kSuper = false;
+  static constexpr int kSlots = 4, kChunks = 4;
+  static constexpr bool kHasMins = true, kHigh = true;
+  static __m256i code(__m256i chunk, __m256i high, int j, int s) {
+    return _mm256_or_si256(Q4::unpack(chunk, s), fifth_bit(high, j, s));
   }
 };
 
 struct Q8 {
   static constexpr PackedWeight::Format kFormat = PackedWeight::Format::kQ8;
-  static constexpr int kSlots = 2;
-  static constexpr bool kHasMins = false;
+  static constexpr bool kSuper = false;
+  static constexpr int kSlots = 2, kChunks = 8;
+  static constexpr bool kHasMins = false, kHigh = false;
   static __m256i unpack(__m256i chunk, int s) {
     if (s == 0) return _mm256_srai_epi16(_mm256_slli_epi16(chunk, 8), 8);
     return _mm256_srai_epi16(chunk, 8);
   }
+  static __m256i code(__m256i chunk, __m256i, int, int s) { return unpack(chunk, s); }
 };
+
+// The k-quants (packed_gemm.h): a group's low nibbles are Q4's chunks, and `code(chunk, high, j, s)`
+// adds the high bits of pair b = 4 j + s from the group's high chunks. kSubBlocks: scales per group of
+// 32 (Q6_K's sub-blocks are 16 inputs, two nibble chunks); kSignedScales: Q6_K's int8 scales; kOffset:
+// subtracted from each code (Q6_K's 32), where Q4_K and Q5_K have mins.
+template <PackedWeight::Format F, int HighChunks, int SubBlocks, bool SignedScales, int Offset>
+struct KQuant {
+  static constexpr PackedWeight::Format kFormat = F;
+  static constexpr bool kSuper = true;
+  static constexpr int kHighChunks = HighChunks, kSubBlocks = SubBlocks;
+  static constexpr bool kSignedScales = SignedScales, kHasMins = Offset == 0;
+  static __m256i code(__m256i chunk, const __m256i* high, int j, int s) {
+    const __m256i low = Q4::unpack(chunk, s);
+    const int b = 4 * j + s;
+    if constexpr (HighChunks == 0) {
+      return low;
+    } else if constexpr (HighChunks == 1) {  // bit b of the lane is the code's bit 4
+      return _mm256_or_si256(low, fifth_bit(high[0], j, s));
+    } else {  // bits 2 (b % 8) and the next of chunk b / 8 are the code's bits 4 and 5
+      const int at = 2 * (b % 8);
+      const __m256i c = high[b / 8];
+      const __m256i h = at >= 4 ? _mm256_srli_epi16(c, at - 4) : _mm256_slli_epi16(c, 4 - at);
+      return _mm256_sub_epi16(_mm256_or_si256(low, _mm256_and_si256(h, _mm256_set1_epi16(0x30))),
+                              _mm256_set1_epi16(Offset));
+    }
+  }
+};
+using Q4K = KQuant<PackedWeight::Format::kQ4K, 0, 1, false, 0>;
+using Q5K = KQuant<PackedWeight::Format::kQ5K, 1, 1, false, 0>;
+using Q6K = KQuant<PackedWeight::Format::kQ6K, 2, 2, true, 32>;
 
 // How a pair's products join a group's int32 sums: sum + (w0 * x0 + w1 * x1) per column lane, exact
 // (no lane reaches 2^31: a group's 32 products of codes under 2^8 and 2^15).
@@ -127,6 +181,23 @@ bool use_vnni() {
   return vnni;
 }
 
+// A tile's sums into y: rounded to bfloat16 values, plus the bias, added to y where out accumulates.
+template <int R, int C>
+inline void store(const __m256 (&acc)[R][C], int64_t row, const PackedWeight& w, const Output& out, int64_t t) {
+  for (int c = 0; c < C; ++c) {
+    const int64_t n = (t + c) * kTileColumns, columns = std::min(kTileColumns, w.N - n);
+    for (int r = 0; r < R; ++r) {
+      alignas(32) float v[kTileColumns];
+      _mm256_store_ps(v, round_to_bf16(acc[r][c]));
+      float* y = out.y + (row + r) * (out.stride ? out.stride : w.N) + n;
+      for (int64_t i = 0; i < columns; ++i) {
+        const float value = w.bias != nullptr ? v[i] + w.bias[n + i] : v[i];
+        y[i] = out.accumulate ? y[i] + value : value;
+      }
+    }
+  }
+}
+
 // y[row .. row + R) x the columns of tiles t .. t + C (eight each, lanes = columns). Per group, the
 // integer sums sum(q * qx) of each (row, column) build up in int32 lanes (exact: under 2^31; for 4-bit
 // codes under 2^24, so the conversion to float is exact too), then go into the float sums as
@@ -159,14 +230,18 @@ __attribute__((noinline)) void tile(const QuantizedRows& xq, int64_t row, const 
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c) sums[r][c] = _mm256_setzero_si256();
 #pragma GCC unroll 8
-    for (int j = 0; j < kCodeBytes / 32; ++j) {
-      __m256i chunk[C];
-      for (int c = 0; c < C; ++c)
-        chunk[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tiles + (c * groups + g) * kRecord + 32 * j));
+    for (int j = 0; j < F::kChunks; ++j) {
+      __m256i chunk[C], high[C];
+      for (int c = 0; c < C; ++c) {
+        const uint8_t* codes = tiles + (c * groups + g) * kRecord;
+        chunk[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * j));
+        high[c] = F::kHigh ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * F::kChunks))
+                           : _mm256_setzero_si256();
+      }
 #pragma GCC unroll 4
       for (int s = 0; s < F::kSlots; ++s) {
         __m256i w[C];
-        for (int c = 0; c < C; ++c) w[c] = F::unpack(chunk[c], s);
+        for (int c = 0; c < C; ++c) w[c] = F::code(chunk[c], high[c], j, s);
         for (int r = 0; r < R; ++r) {
           int32_t pair;  // the activation codes of inputs 2 * (kSlots * j + s) and the next
           std::memcpy(&pair, qx + r * xq.row_stride + 2 * (F::kSlots * j + s), sizeof(pair));
@@ -188,21 +263,102 @@ __attribute__((noinline)) void tile(const QuantizedRows& xq, int64_t row, const 
       }
     }
   }
-  for (int c = 0; c < C; ++c) {
-    const int64_t n = (t + c) * kTileColumns, columns = std::min(kTileColumns, w.N - n);
-    for (int r = 0; r < R; ++r) {
-      alignas(32) float v[kTileColumns];
-      _mm256_store_ps(v, round_to_bf16(acc[r][c]));
-      float* y = out.y + (row + r) * w.N + n;
-      for (int64_t i = 0; i < columns; ++i) {
-        const float value = w.bias != nullptr ? v[i] + w.bias[n + i] : v[i];
-        y[i] = out.accumulate ? y[i] + value : value;
+  store<R, C>(acc, row, w, out, t);
+}
+
+// tile for the k-quants: the same sums per pair of inputs, over records of a super-block. Per group of
+// 32 (Q6_K: per sub-block of 16) the int32 sums are exact (under 2^31: 32 products of codes under 2^5
+// and 2^15, or 16 under 2^6) and go into the float sums as sum * ((d * sc) * dx), then Q4_K / Q5_K's
+// (-dmin * m) * dx * sum(qx), group after group; d * sc and dmin * m are exact in float32.
+template <typename F, typename A, int R, int C>
+__attribute__((noinline)) void ktile(const QuantizedRows& xq, int64_t row, const PackedWeight& w, const Output& out,
+                                     int64_t t) {
+  constexpr int64_t kRecord = record_bytes(F::kFormat), kHeader = kquant_header_bytes(F::kFormat);
+  constexpr int64_t kGroupBytes = kquant_group_bytes(F::kFormat), kGroups = kSuperBlock / kGroup;
+  constexpr int kChunksPerSub = (kGroup / 2 / 4) / F::kSubBlocks;  // nibble chunks per sub-block
+  const int64_t supers = w.K / kSuperBlock, x_groups = xq.row_stride / kGroup;
+  const uint8_t* tiles = w.tiles + t * supers * kRecord;
+  __m256 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  const bool prefetch = R < 4 && row == 0;  // as tile's, about as many bytes ahead as its 4-bit records
+  constexpr int64_t kPrefetchSupers =
+      (kPrefetchGroups * record_bytes(PackedWeight::Format::kQ4) + kRecord - 1) / kRecord;
+  for (int64_t sb = 0; sb < supers; ++sb) {
+    const uint8_t* record[C];
+    __m256 d[C], neg_dmin[C];
+    for (int c = 0; c < C; ++c) {
+      record[c] = tiles + (c * supers + sb) * kRecord;
+      if (prefetch) {
+        const uint8_t* ahead = record[c] + kPrefetchSupers * kRecord;
+        for (int64_t b = 0; b < kRecord; b += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + b), _MM_HINT_T0);
+      }
+      d[c] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(record[c])));
+      if constexpr (F::kHasMins)
+        neg_dmin[c] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(record[c] + 16)));
+    }
+    constexpr int64_t kScalesAt = F::kHasMins ? 32 : 16;
+    for (int64_t g = 0; g < kGroups; ++g) {
+      const int64_t x_group = sb * kGroups + g;
+      const int16_t* qx = xq.codes + row * xq.row_stride + x_group * kGroup;
+#pragma GCC unroll 2
+      for (int sub = 0; sub < F::kSubBlocks; ++sub) {
+        __m256i sums[R][C];
+        for (int r = 0; r < R; ++r)
+          for (int c = 0; c < C; ++c) sums[r][c] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int jj = 0; jj < kChunksPerSub; ++jj) {
+          const int j = sub * kChunksPerSub + jj;
+          __m256i chunk[C], high[C][F::kHighChunks > 0 ? F::kHighChunks : 1];
+          for (int c = 0; c < C; ++c) {
+            const uint8_t* group = record[c] + kHeader + g * kGroupBytes;
+            chunk[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + 32 * j));
+            for (int h = 0; h < F::kHighChunks; ++h)
+              high[c][h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + 128 + 32 * h));
+          }
+#pragma GCC unroll 4
+          for (int s = 0; s < 4; ++s) {
+            __m256i wc[C];
+            for (int c = 0; c < C; ++c) wc[c] = F::code(chunk[c], high[c], j, s);
+            for (int r = 0; r < R; ++r) {
+              int32_t pair;
+              std::memcpy(&pair, qx + r * xq.row_stride + 2 * (4 * j + s), sizeof(pair));
+              const __m256i x = _mm256_set1_epi32(pair);
+              for (int c = 0; c < C; ++c) sums[r][c] = A::add_products(sums[r][c], wc[c], x);
+            }
+          }
+        }
+        for (int c = 0; c < C; ++c) {
+          const __m128i bytes =
+              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(record[c] + kScalesAt + (g * F::kSubBlocks + sub) * 8));
+          const __m256i sc = F::kSignedScales ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes);
+          const __m256 scale = _mm256_mul_ps(d[c], _mm256_cvtepi32_ps(sc));  // exact
+          for (int r = 0; r < R; ++r)
+            acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r][c]),
+                                        _mm256_mul_ps(scale, _mm256_set1_ps(xq.scales[(row + r) * x_groups + x_group])),
+                                        acc[r][c]);
+        }
+      }
+      if constexpr (F::kHasMins) {
+        for (int c = 0; c < C; ++c) {
+          const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(record[c] + 32 + 64 + g * 8));
+          const __m256 mins = _mm256_mul_ps(neg_dmin[c], _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)));  // exact
+          for (int r = 0; r < R; ++r)
+            acc[r][c] = _mm256_fmadd_ps(mins, _mm256_set1_ps(xq.sums[(row + r) * x_groups + x_group]), acc[r][c]);
+        }
       }
     }
   }
+  store<R, C>(acc, row, w, out, t);
 }
 
 using TileFn = void (*)(const QuantizedRows&, int64_t, const PackedWeight&, const Output&, int64_t);
+
+template <typename F, typename A, int R, int C>
+constexpr TileFn tile_for() {
+  if constexpr (F::kSuper) return ktile<F, A, R, C>;
+  else return tile<F, A, R, C>;
+}
 
 // y[:, columns of tiles t .. t + count): four rows by two tiles where there are four rows (by one
 // tile, a little slower, for an odd block's last tile), then the last one to three rows by two tiles
@@ -213,18 +369,38 @@ void block_of(const PackedWeight& w, const QuantizedRows& xq, int64_t M, int64_t
   const auto warm = [&] {
     if (warmer != nullptr) warmer->step(kWarmLinesPerTile);
   };
-  constexpr TileFn two_tiles[4] = {nullptr, tile<F, A, 1, 2>, tile<F, A, 2, 2>, tile<F, A, 3, 2>};
-  constexpr TileFn one_tile[4] = {nullptr, tile<F, A, 1, 1>, tile<F, A, 2, 1>, tile<F, A, 3, 1>};
+  constexpr TileFn two_tiles[4] = {nullptr, tile_for<F, A, 1, 2>(), tile_for<F, A, 2, 2>(), tile_for<F, A, 3, 2>()};
+  constexpr TileFn one_tile[4] = {nullptr, tile_for<F, A, 1, 1>(), tile_for<F, A, 2, 1>(), tile_for<F, A, 3, 1>()};
+  constexpr TileFn four_rows_two = tile_for<F, A, 4, 2>(), four_rows_one = tile_for<F, A, 4, 1>();
   int64_t row = 0;
   for (; row + 4 <= M; row += 4) {
     int64_t i = 0;
-    for (; i + 2 <= count; i += 2) warm(), tile<F, A, 4, 2>(xq, row, w, out, t + i);
-    if (i < count) warm(), tile<F, A, 4, 1>(xq, row, w, out, t + i);
+    for (; i + 2 <= count; i += 2) warm(), four_rows_two(xq, row, w, out, t + i);
+    if (i < count) warm(), four_rows_one(xq, row, w, out, t + i);
   }
   if (row == M) return;
   int64_t i = 0;
   for (; i + 2 <= count; i += 2) warm(), two_tiles[M - row](xq, row, w, out, t + i);
   if (i < count) warm(), one_tile[M - row](xq, row, w, out, t + i);
+}
+
+using BlockFn = void (*)(const PackedWeight&, const QuantizedRows&, int64_t, int64_t, int64_t, const Output&, Warmer*);
+
+template <typename A>
+BlockFn block_runner_for(PackedWeight::Format format) {
+  switch (format) {
+    case PackedWeight::Format::kQ4: return block_of<Q4, A>;
+    case PackedWeight::Format::kQ8: return block_of<Q8, A>;
+    case PackedWeight::Format::kQ5: return block_of<Q5, A>;
+    case PackedWeight::Format::kQ4K: return block_of<Q4K, A>;
+    case PackedWeight::Format::kQ5K: return block_of<Q5K, A>;
+    case PackedWeight::Format::kQ6K: return block_of<Q6K, A>;
+  }
+  TORCH_CHECK(false, "unknown packed weight format");
+}
+
+BlockFn block_runner(PackedWeight::Format format, bool vnni) {
+  return vnni ? block_runner_for<Vnni>(format) : block_runner_for<MaddAdd>(format);
 }
 
 // y = x W^T: the rows quantized, then the column blocks, shared by the threads of one region.
@@ -244,12 +420,21 @@ at::Tensor gemm(const at::Tensor& x, const PackedWeight& w) {
   return y;
 }
 
+// The format whose records are this many bytes (each format's differ).
+PackedWeight::Format format_of_record(int64_t bytes) {
+  using F = PackedWeight::Format;
+  for (const F format : {F::kQ4, F::kQ8, F::kQ5, F::kQ4K, F::kQ5K, F::kQ6K})
+    if (record_bytes(format) == bytes) return format;
+  TORCH_CHECK(false, "no packed weight format has records of ", bytes, " bytes (packed_gemm.h)");
+}
+
 void check_tiles(const at::Tensor& tiles, PackedWeight::Format format, int64_t N, int64_t K) {
-  TORCH_CHECK(K % kGroup == 0, "the inputs must be a multiple of 32, got ", K);
+  const int64_t inputs = record_inputs(format);
+  TORCH_CHECK(K % inputs == 0, "the inputs must be a multiple of ", inputs, ", got ", K);
   const int64_t tile_count = (N + kTileColumns - 1) / kTileColumns;
   TORCH_CHECK(tiles.scalar_type() == at::kByte && tiles.is_contiguous() &&
-                  tiles.sizes() == at::IntArrayRef({tile_count, K / kGroup, record_bytes(format)}),
-              "tiles must be a contiguous uint8 [", tile_count, ", ", K / kGroup, ", ", record_bytes(format),
+                  tiles.sizes() == at::IntArrayRef({tile_count, K / inputs, record_bytes(format)}),
+              "tiles must be a contiguous uint8 [", tile_count, ", ", K / inputs, ", ", record_bytes(format),
               "] tensor (packed_gemm.h)");
 }
 
@@ -311,38 +496,56 @@ void multiply(Team::Member& me, const PackedWeight& w, const QuantizedRows& x, i
   const int64_t panel = std::max<int64_t>(4, kPanelBytes / (2 * w.K) / 4 * 4);
   const int64_t panels = (M + panel - 1) / panel, items = panels * blocks;
   const bool vnni = use_vnni();
-  const auto run_block = w.format == PackedWeight::Format::kQ4 ? (vnni ? block_of<Q4, Vnni> : block_of<Q4, MaddAdd>)
-                                                              : (vnni ? block_of<Q8, Vnni> : block_of<Q8, MaddAdd>);
+  const auto run_block = block_runner(w.format, vnni);
   me.share(items, claim_size(items, me.members()), [&](int64_t item) {
     const int64_t first = item / blocks * panel, block = item % blocks;
     const int64_t t = block * kTilesPerBlock, count = std::min(kTilesPerBlock, tiles - t);
     const QuantizedRows rows{x.codes + first * x.row_stride, x.scales + first * (x.row_stride / kGroup),
                              x.sums + first * (x.row_stride / kGroup), x.row_stride};
-    const Output panel_out{out.y + first * w.N, out.accumulate};
+    const int64_t stride = out.stride ? out.stride : w.N;
+    const Output panel_out{out.y + first * stride, out.accumulate, stride};
     run_block(w, rows, std::min(panel, M - first), t, count, panel_out, warmer);
   });
 }
 
-PackedWeight q4_weight(const at::Tensor& tiles, const at::Tensor& bias, int64_t N, int64_t K) {
-  check_tiles(tiles, PackedWeight::Format::kQ4, N, K);
+int64_t packed_inputs(const at::Tensor& tiles) {
+  TORCH_CHECK(tiles.dim() == 3, "tiles must be a 3-D tensor (packed_gemm.h)");
+  return tiles.size(1) * record_inputs(format_of_record(tiles.size(2)));
+}
+
+PackedWeight packed_weight(const at::Tensor& tiles, const at::Tensor& bias, int64_t N, int64_t K) {
+  TORCH_CHECK(tiles.dim() == 3, "tiles must be a 3-D tensor (packed_gemm.h)");
+  const PackedWeight::Format format = format_of_record(tiles.size(2));
+  check_tiles(tiles, format, N, K);
   TORCH_CHECK(!bias.defined() || (bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.numel() == N),
               "the bias must be a contiguous float32 [", N, "] tensor");
-  return PackedWeight{PackedWeight::Format::kQ4, tiles.data_ptr<uint8_t>(),
-                      bias.defined() ? bias.data_ptr<float>() : nullptr, N, K};
+  return PackedWeight{format, tiles.data_ptr<uint8_t>(), bias.defined() ? bias.data_ptr<float>() : nullptr, N, K};
+}
+
+PackedParts packed_parts(const std::vector<at::Tensor>& tiles, const at::Tensor& bias, int64_t N, int64_t K) {
+  TORCH_CHECK(!tiles.empty(), "a projection needs at least one part");
+  TORCH_CHECK(!bias.defined() || (bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.numel() == N),
+              "the bias must be a contiguous float32 [", N, "] tensor");
+  PackedParts out{{}, {}, N};
+  int64_t offset = 0;
+  for (size_t i = 0; i < tiles.size(); ++i) {
+    TORCH_CHECK(tiles[i].dim() == 3, "tiles must be 3-D tensors (packed_gemm.h)");
+    const int64_t columns = i + 1 < tiles.size() ? tiles[i].size(0) * kTileColumns : N - offset;
+    TORCH_CHECK(columns > 0, "the parts' tiles hold more columns than the projection's ", N);
+    PackedWeight part = packed_weight(tiles[i], at::Tensor(), columns, K);
+    part.bias = bias.defined() ? bias.data_ptr<float>() + offset : nullptr;
+    out.parts.push_back(part);
+    out.offsets.push_back(offset);
+    offset += columns;
+  }
+  return out;
 }
 
 std::string packed_gemm_isa() { return use_vnni() ? "avx512_vnni" : "avx2"; }
 
-at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& tiles, int64_t N) {
+at::Tensor packed_gemm(const at::Tensor& x, const at::Tensor& tiles, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be a 2-D float32 tensor");
-  return gemm(x, q4_weight(tiles, at::Tensor(), N, x.size(1)));
-}
-
-at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& tiles, int64_t N) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be a 2-D float32 tensor");
-  const int64_t K = x.size(1);
-  check_tiles(tiles, PackedWeight::Format::kQ8, N, K);
-  return gemm(x, PackedWeight{PackedWeight::Format::kQ8, tiles.data_ptr<uint8_t>(), nullptr, N, K});
+  return gemm(x, packed_weight(tiles, at::Tensor(), N, x.size(1)));
 }
 
 }  // namespace stepahead_cpu

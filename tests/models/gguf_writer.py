@@ -97,12 +97,15 @@ def write_gguf(folder, path, quant: dict[str, str] | None = None, arch: str | No
     """The tiny safetensors model at folder as a GGUF file at path (no tokenizer metadata).
 
     quant maps a GGUF tensor kind ("attn_q", "ffn_down", "output", ...) to the GGUF type it is
-    written in ("Q4_0", "Q4_1", "Q8_0", ...); other tensors are f32. arch None: from the config (Llama
-    as `llama`, Mixtral as `llama` with experts, Qwen3-MoE as `qwen3moe`, Phi-3 as `phi3`); "gemma2" / "gemma3": Gemma's
-    metadata, tensor names and norm weights stored as 1 + w, as llama.cpp's converter writes them."""
+    written in ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "F16", or a k-quant "Q4_K", "Q5_K", "Q6_K" through
+    tests/models/kquant_blocks.py); other tensors are f32. arch None: from the config (Llama as `llama`,
+    Mixtral as `llama` with experts, Qwen3-MoE as `qwen3moe`, Phi-3 as `phi3`); "gemma2" / "gemma3":
+    Gemma's metadata, tensor names and norm weights stored as 1 + w, as llama.cpp's converter writes them."""
     import gguf
     import gguf.quants
     from safetensors.torch import load_file
+
+    from tests.models.kquant_blocks import BLOCK_BYTES, quantize_kquant
 
     cfg = json.loads((folder / "config.json").read_text())
     sd = _stack_experts(load_file(str(folder / "model.safetensors")))
@@ -158,7 +161,12 @@ def write_gguf(folder, path, quant: dict[str, str] | None = None, arch: str | No
         kind_name = gname.split(".")[-2]
         if quant and kind_name in quant:
             qtype = getattr(gguf.GGMLQuantizationType, quant[kind_name])
-            w.add_tensor(gname, gguf.quants.quantize(np.ascontiguousarray(a), qtype), raw_dtype=qtype)
+            if quant[kind_name] == "F16":
+                w.add_tensor(gname, np.ascontiguousarray(a, dtype=np.float16))
+            elif quant[kind_name] in BLOCK_BYTES:
+                w.add_tensor(gname, quantize_kquant(a, quant[kind_name]), raw_dtype=qtype)
+            else:
+                w.add_tensor(gname, gguf.quants.quantize(np.ascontiguousarray(a), qtype), raw_dtype=qtype)
         else:
             w.add_tensor(gname, np.ascontiguousarray(a))
     w.write_header_to_file()

@@ -20,7 +20,7 @@ from tests.models.gguf_writer import write_gguf
 LINEAR_RTOL = 2e-2
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 def test_gguf_blocks_decode_exactly(type_name):
     import gguf
     import gguf.quants
@@ -29,7 +29,7 @@ def test_gguf_blocks_decode_exactly(type_name):
     dense = np.random.default_rng(0).standard_normal((48, 96)).astype(np.float32)
     raw = gguf.quants.quantize(dense, qtype)
     weight = decode_gguf_blocks(raw, type_name, (48, 96))
-    assert weight.bits == (8 if type_name == "Q8_0" else 4) and weight.group_size == 32
+    assert weight.bits == int(type_name[1]) and weight.group_size == 32
     assert torch.equal(weight.dequantize(), torch.from_numpy(gguf.quants.dequantize(raw, qtype)))
 
 

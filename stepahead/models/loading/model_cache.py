@@ -31,7 +31,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-CONVERTER_VERSION = 2  # 2: the quantized codes (gguf_quantized.QUANT_FILE)
+CONVERTER_VERSION = 3  # 2: the quantized codes (gguf_quantized.QUANT_FILE); 3: Q5_0 and k-quant codes too
 MANIFEST = "manifest.json"
 _HEADER_BYTES = 1 << 20
 _WHOLE_HASH_LIMIT = 16 << 20  # files up to this size are hashed whole

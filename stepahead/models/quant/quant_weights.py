@@ -1,4 +1,4 @@
-"""Quantized weights as plain tensors: GGUF Q4_0 / Q4_1 / Q8_0 blocks decoded without dequantizing, and
+"""Quantized weights as plain tensors: GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 blocks decoded without dequantizing, and
 dense weights quantized the same way (for `--quantization int4|int8` on safetensors checkpoints).
 
 A GroupQuantWeight is one [out, in] matrix as integer codes with one scale (and, for 4 bits, one
@@ -8,6 +8,10 @@ with g = c // group_size. That is exactly GGUF's block formats (32 weights a blo
 - Q4_0: fp16 d, 16 bytes of nibbles;  w = (q - 8) * d           -> q in 0..15, scale d, min -8 d
 - Q4_1: fp16 d, fp16 m, 16 bytes;     w = q * d + m             -> q in 0..15, scale d, min m
 - Q8_0: fp16 d, 32 int8;              w = q * d                 -> q in -127..127, scale d, no min
+- Q5_0: fp16 d, 4 bytes of fifth bits, 16 bytes;  w = (q - 16) * d  -> q in 0..31, scale d, min -16 d
+- Q5_1: fp16 d, fp16 m, 4 bytes, 16 bytes;      w = q * d + m        -> q in 0..31, scale d, min m
+  (llama.cpp's fallbacks for Q4_K and Q5_K where a row is not a whole number of 256-weight blocks:
+  a Q4_K_M file of a model 576 wide is mostly Q5_0)
 
 In a block, byte j holds element j in its low nibble and element j + 16 in its high nibble.
 Rows are independent, so un-permuting llama.cpp's Q/K rows and fusing q/k/v or gate/up (row
@@ -24,22 +28,22 @@ import torch
 
 GGUF_BLOCK = 32
 # GGUF tensor type name -> (bytes per block, bits)
-GGUF_QUANT_TYPES = {"Q4_0": (18, 4), "Q4_1": (20, 4), "Q8_0": (34, 8)}
+GGUF_QUANT_TYPES = {"Q4_0": (18, 4), "Q4_1": (20, 4), "Q5_0": (22, 5), "Q5_1": (24, 5), "Q8_0": (34, 8)}
 
 
 @dataclass
 class GroupQuantWeight:
-    """An [out, in] weight as integer codes with per-group scales (and offsets for 4 bits)."""
+    """An [out, in] weight as integer codes with per-group scales (and offsets for 4 and 5 bits)."""
 
-    q: torch.Tensor  # [out, in]: uint8 codes 0..15 (bits 4) or int8 codes (bits 8)
+    q: torch.Tensor  # [out, in]: uint8 codes 0..15 (bits 4) or 0..31 (bits 5), or int8 codes (bits 8)
     scales: torch.Tensor  # [out, in // group_size] float32
-    mins: torch.Tensor | None  # [out, in // group_size] float32 (bits 4), or None (symmetric)
+    mins: torch.Tensor | None  # [out, in // group_size] float32 (bits 4, 5), or None (symmetric)
     group_size: int
     bits: int
 
     def __post_init__(self) -> None:
-        if self.bits not in (4, 8):
-            raise ValueError(f"bits must be 4 or 8, got {self.bits}")
+        if self.bits not in (4, 5, 8):
+            raise ValueError(f"bits must be 4, 5 or 8, got {self.bits}")
         out_features, in_features = self.q.shape
         if in_features % self.group_size:
             raise ValueError(f"in_features {in_features} is not a multiple of group_size {self.group_size}")
@@ -78,7 +82,7 @@ def cat_rows(parts: list[GroupQuantWeight]) -> GroupQuantWeight:
 
 
 def decode_gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> GroupQuantWeight:
-    """A GGUF tensor's raw bytes (any shape, C order) of type Q4_0, Q4_1 or Q8_0 as codes and scales.
+    """A GGUF tensor's raw bytes (any shape, C order) of a GGUF_QUANT_TYPES type as codes and scales.
 
     shape is the weight's [out, in] (GGUF lists dimensions the other way round)."""
     if type_name not in GGUF_QUANT_TYPES:
@@ -92,6 +96,14 @@ def decode_gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) 
     if type_name == "Q8_0":
         q = blocks[..., 2:].copy().view(np.int8).reshape(rows, cols)
         return GroupQuantWeight(torch.from_numpy(q), torch.from_numpy(d), None, GGUF_BLOCK, 8)
+    if type_name in ("Q5_0", "Q5_1"):  # bit j of the 32-bit qh is element j's fifth bit
+        at = 2 if type_name == "Q5_0" else 4
+        fifth = (blocks[..., at:at + 4].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)) & 1
+        nibbles = blocks[..., at + 4:]
+        q5 = np.concatenate((nibbles & 0x0F, nibbles >> 4), axis=-1) | (fifth.astype(np.uint8) << 4)
+        mins = -16.0 * d if type_name == "Q5_0" else blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        return GroupQuantWeight(torch.from_numpy(np.ascontiguousarray(q5, dtype=np.uint8).reshape(rows, cols)),
+                                torch.from_numpy(d), torch.from_numpy(np.ascontiguousarray(mins)), GGUF_BLOCK, 5)
     if type_name == "Q4_1":
         mins = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
         nibbles = blocks[..., 4:]
@@ -101,6 +113,19 @@ def decode_gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) 
     q = np.concatenate((nibbles & 0x0F, nibbles >> 4), axis=-1).reshape(rows, cols)
     return GroupQuantWeight(torch.from_numpy(np.ascontiguousarray(q, dtype=np.uint8)), torch.from_numpy(d),
                             torch.from_numpy(np.ascontiguousarray(mins)), GGUF_BLOCK, 4)
+
+
+def as_symmetric_int8(weight: GroupQuantWeight) -> GroupQuantWeight | None:
+    """The same values as int8 codes with the same scales and no min, where that is exact: Q8_0 itself,
+    and Q4_0 / Q5_0, whose min is -8 or -16 times the scale (codes q - 8, q - 16). None otherwise. A
+    projection fused from Q5_0 and Q8_0 parts (a Q4_K_M file's q/k and v) is packed so, as one weight."""
+    if weight.mins is None:
+        return weight
+    offset = 1 << (weight.bits - 1)
+    if weight.bits == 8 or not torch.equal(weight.mins, -offset * weight.scales):
+        return None
+    q = (weight.q.to(torch.int16) - offset).to(torch.int8)
+    return GroupQuantWeight(q, weight.scales, None, weight.group_size, 8)
 
 
 def quantize_int4(w: torch.Tensor, group_size: int = GGUF_BLOCK) -> GroupQuantWeight:

@@ -8,6 +8,9 @@
   by `torch._convert_weight_to_int4pack_for_cpu` and multiplied by `torch._weight_int4pack_mm_for_cpu`,
   which computes  (q - 8) * scale + zero  per group (a code's offset `min` becomes
   zero = min + 8 * scale) on bfloat16 activations.
+- KQuantLinear: llama.cpp's k-quants (Q4_K, Q5_K, Q6_K), their super-block factors kept as the file
+  holds them (kernels/kquant_tiles.py), on stepahead's kernel only: torch has no kernel for them, so
+  where ours is not built such weights stay dense (models/quant/quantized_loader.py).
 - Int8Linear: int8 codes. GGUF's Q8_0 (a scale per group of 32) on an AVX2 CPU runs stepahead's
   8-bit kernel of the same kind (packed_gemm.cpp); otherwise (and for --quantization int8, one scale
   per row) `torch._weight_int8pack_mm` on bfloat16 activations, Q8_0 requantized per row.
@@ -31,7 +34,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from stepahead.kernels import cpu_packed
+from stepahead.kernels import cpu_packed, kquant_tiles
+from stepahead.models.quant.kquant_weights import KQuantWeight
 from stepahead.models.quant.prompt_rows import ACTIVATION_ROUNDING, PromptRows, dense_rows
 from stepahead.models.quant.quant_weights import GroupQuantWeight, to_int8_rows
 
@@ -77,14 +81,19 @@ class _PackedBase(nn.Module):
 
 
 class Int4Linear(_PackedBase):
+    """4-bit codes with offsets; also GGUF's 5-bit Q5_0 / Q5_1, on stepahead's kernel only."""
+
     def __init__(self, weight: GroupQuantWeight, bias: torch.Tensor | None = None) -> None:
-        if weight.bits != 4 or weight.mins is None:
-            raise ValueError("Int4Linear needs 4-bit codes with per-group offsets")
+        if weight.bits not in (4, 5) or weight.mins is None:
+            raise ValueError("Int4Linear needs 4- or 5-bit codes with per-group offsets")
         super().__init__(*weight.shape, bias)
-        self.group_size = weight.group_size
+        self.group_size, self.bits = weight.group_size, weight.bits
         self.kernel = cpu_packed.kernel_for(self.group_size)
+        if weight.bits == 5 and self.kernel != "stepahead":
+            raise ValueError("5-bit codes run on stepahead's kernel only (groups of 32, kernels built)")
         if self.kernel == "stepahead":
-            self.register_buffer("tiles", cpu_packed.tile_q4(weight.q, weight.scales, weight.mins))
+            tile = cpu_packed.tile_q4 if weight.bits == 4 else cpu_packed.tile_q5
+            self.register_buffer("tiles", tile(weight.q, weight.scales, weight.mins))
             return
         packed = torch._convert_weight_to_int4pack_for_cpu(weight.q.to(torch.int32).contiguous(), 1)
         zeros = weight.mins + 8 * weight.scales
@@ -103,14 +112,14 @@ class Int4Linear(_PackedBase):
         """The [out, in] float32 weight the kernel multiplies with."""
         if self.kernel == "stepahead":
             codes, scales, mins = cpu_packed.untile(self.tiles, self.out_features)
-            return GroupQuantWeight(codes, scales, mins, self.group_size, 4).dequantize()
+            return GroupQuantWeight(codes, scales, mins, self.group_size, self.bits).dequantize()
         # torch's kernel through an identity input: its weight with bf16 scales and zeros.
         eye = torch.eye(self.in_features, dtype=KERNEL_DTYPE)
         return torch._weight_int4pack_mm_for_cpu(eye, self.packed, self.group_size, self.scales_zeros).float().t()
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"group_size={self.group_size}, kernel={self.kernel}")
+                f"group_size={self.group_size}, bits={self.bits}, kernel={self.kernel}")
 
 
 class Int8Linear(_PackedBase):
@@ -139,8 +148,62 @@ class Int8Linear(_PackedBase):
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel}"
 
 
-def quantized_linear(weight: GroupQuantWeight, bias: torch.Tensor | None = None) -> nn.Module:
-    """The packed module for a quantized weight: 4-bit group codes -> Int4Linear, 8-bit -> Int8Linear."""
-    if weight.bits == 4:
+class KQuantLinear(_PackedBase):
+    """A Q4_K / Q5_K / Q6_K weight on stepahead's kernel (needs it built: cpu_packed.available())."""
+
+    kernel = "stepahead"
+
+    def __init__(self, weight: KQuantWeight, bias: torch.Tensor | None = None) -> None:
+        if not cpu_packed.available():
+            raise ValueError("k-quant weights run on stepahead's CPU kernels only, which are not built here")
+        super().__init__(*weight.shape, bias)
+        self.type_name = weight.type_name
+        self.register_buffer("tiles", kquant_tiles.tile_kquant(weight))
+
+    def _packed_mm(self, flat: torch.Tensor) -> torch.Tensor:
+        return cpu_packed.packed_gemm(flat.float(), self.tiles, self.out_features)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return kquant_tiles.untile_kquant(self.tiles, self.out_features, self.type_name).dequantize()
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"type={self.type_name}, kernel={self.kernel}")
+
+
+class PackedParts(_PackedBase):
+    """A fused projection (q/k/v, gate/up) whose parts are packed in different formats, as llama.cpp's
+    Q4_K_M gives some layers' v more bits than q and k: each part runs its own kernel and the outputs
+    lie side by side. Parts must be on stepahead's kernel, and each but the last whole tiles of eight
+    columns (DecodeStack runs them the same way: packed_gemm.h, PackedParts)."""
+
+    kernel = "stepahead"
+
+    def __init__(self, parts: list[nn.Module], bias: torch.Tensor | None = None) -> None:
+        if any(getattr(p, "kernel", None) != "stepahead" or getattr(p, "tiles", None) is None for p in parts):
+            raise ValueError("PackedParts needs parts packed on stepahead's kernel")
+        sizes = [int(p.out_features) for p in parts]
+        if any(size % cpu_packed.TILE for size in sizes[:-1]):
+            raise ValueError(f"every part but the last needs a multiple of {cpu_packed.TILE} outputs")
+        super().__init__(sum(sizes), int(parts[0].in_features), bias)
+        self.parts = nn.ModuleList(parts)
+
+    def _packed_mm(self, flat: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part._packed_mm(flat) for part in self.parts], dim=-1)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return torch.cat([part.dequantized_weight() for part in self.parts])
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, parts={len(self.parts)}"
+
+
+def quantized_linear(weight: GroupQuantWeight | KQuantWeight, bias: torch.Tensor | None = None) -> nn.Module:
+    """The packed module for a quantized weight: 4-bit group codes -> Int4Linear, 5-bit ones too on
+    stepahead's kernel (else Int8Linear, requantized per row as Q8_0 is), 8-bit -> Int8Linear, a
+    k-quant -> KQuantLinear."""
+    if isinstance(weight, KQuantWeight):
+        return KQuantLinear(weight, bias)
+    if weight.bits == 4 or (weight.bits == 5 and cpu_packed.kernel_for(weight.group_size) == "stepahead"):
         return Int4Linear(weight, bias)
     return Int8Linear(weight, bias)

@@ -1,7 +1,8 @@
 """`--quantization`: which linear layers of a built model run on packed weights, and where the codes come from.
 
-- "gguf": the GGUF file's Q4_0 / Q4_1 / Q8_0 tensors stay quantized (their codes come from
-  models/quant/gguf_quantized.py); other tensors stay dense.
+- "gguf": the GGUF file's Q4_0 / Q4_1 / Q5_0 / Q8_0 and Q4_K / Q5_K / Q6_K tensors stay quantized, each
+  in its own format (their codes come from models/quant/gguf_quantized.py); other tensors stay dense.
+  k-quants need stepahead's kernels: where those are not built they load dense too (logged once).
 - "int4" / "int8": any checkpoint's projections quantized at load (int4: groups of 32 with scale and
   offset; int8: one scale per row).
 - "none": every weight dense in the model's dtype (the reference path).
@@ -36,17 +37,21 @@ import torch
 from torch import nn
 
 from stepahead.config import QUANTIZATION_CHOICES
+from stepahead.kernels import cpu_packed
 from stepahead.models.moe import DenseExperts, MoeBlock, PackedExperts
+from stepahead.models.quant.gguf_quantized import KEPT_TYPES, PackedCodes
+from stepahead.models.quant.kquant_weights import KQuantWeight, cat_kquant_rows
 from stepahead.models.quant.packed_head import RescoredHead
 from stepahead.models.quant.prompt_rows import rows_are_invariant
 from stepahead.models.quant.quant_weights import (
     GGUF_QUANT_TYPES,
     GroupQuantWeight,
+    as_symmetric_int8,
     cat_rows,
     quantize_int4,
     quantize_int8_rows,
 )
-from stepahead.models.quant.quantized_linear import quantized_linear
+from stepahead.models.quant.quantized_linear import PackedParts, quantized_linear
 
 logger = logging.getLogger(__name__)
 
@@ -65,15 +70,21 @@ def resolve_quantization(requested: str, device: str, load_format: str, gguf_qua
         raise ValueError(f"quantization {requested!r} runs on CPU only (its kernels are torch's CPU ones); "
                          "use 'none' or 'auto' on CUDA")
     if requested == "gguf" and not (load_format == "gguf" and gguf_quantized):
-        raise ValueError(f"quantization 'gguf' needs a GGUF file with {'/'.join(GGUF_QUANT_TYPES)} tensors; "
+        raise ValueError(f"quantization 'gguf' needs a GGUF file with {'/'.join(KEPT_TYPES)} tensors; "
                          "use 'int4', 'int8' or 'none' for this model")
     return requested
 
 
 # -- the swap ------------------------------------------------------------------------------------
 
-def _source_weight(module_name: str, sources: dict[str, GroupQuantWeight]) -> GroupQuantWeight | None:
-    """The codes of a module from per-checkpoint-tensor codes (fusing parts), or None to keep it dense."""
+def _format(w: PackedCodes) -> tuple:
+    """What parts must share to be fused into one packed weight."""
+    return (w.type_name,) if isinstance(w, KQuantWeight) else (w.bits, w.group_size, w.mins is None)
+
+
+def _source_weight(module_name: str, sources: dict[str, PackedCodes]) -> PackedCodes | list[PackedCodes] | None:
+    """The codes of a module from per-checkpoint-tensor codes: one weight (its parts fused), the parts
+    apart where they are packed differently (PackedParts), or None to keep it dense."""
     prefix, _, leaf = module_name.rpartition(".")
     hf_prefix = prefix if prefix.startswith("model.") else "model." + prefix
     if f"{hf_prefix}.{leaf}.weight" in sources:  # fused in the checkpoint already (Phi-3)
@@ -81,16 +92,65 @@ def _source_weight(module_name: str, sources: dict[str, GroupQuantWeight]) -> Gr
     found = [sources.get(f"{hf_prefix}.{part}.weight") for part in FUSED_PARTS.get(leaf, (leaf,))]
     if any(w is None for w in found):
         return None
-    if len({(w.bits, w.group_size, w.mins is None) for w in found}) > 1:
-        logger.info("%s: parts quantized differently, kept dense", module_name)
+    parts = [w for w in found if w is not None]
+    if len({_format(w) for w in parts}) > 1:
+        symmetric = [as_symmetric_int8(w) if isinstance(w, GroupQuantWeight) else None for w in parts]
+        if any(w is None for w in symmetric):
+            return _runs_fused(parts)  # each run of parts in its own format, side by side
+        parts = [w for w in symmetric if w is not None]  # Q4_0 / Q5_0 beside Q8_0: all int8 codes, exactly
+    return _fused(parts)
+
+
+def _runs_fused(parts: list[PackedCodes]) -> list[PackedCodes]:
+    """Neighbouring parts of one format fused (q and k of Q4_K beside v of Q6_K: two parts, not three)."""
+    runs: list[list[PackedCodes]] = []
+    for w in parts:
+        if runs and _format(runs[-1][0]) == _format(w):
+            runs[-1].append(w)
+        else:
+            runs.append([w])
+    return [run[0] if len(run) == 1 else _fused(run) for run in runs]
+
+
+def _fused(parts: list[PackedCodes]) -> PackedCodes:
+    """Parts of one format as one weight."""
+    if isinstance(parts[0], KQuantWeight):
+        return cat_kquant_rows([w for w in parts if isinstance(w, KQuantWeight)])
+    return cat_rows([w for w in parts if isinstance(w, GroupQuantWeight)])
+
+
+def _packed_module(name: str, weight: PackedCodes | list[PackedCodes], bias: torch.Tensor | None) -> nn.Module | None:
+    """The packed module for one weight, or for parts packed differently (PackedParts: stepahead's
+    kernel only, and whole tiles of columns; else None, the module stays dense, logged)."""
+    if not isinstance(weight, list):
+        return quantized_linear(_packable(weight), bias)
+    if not cpu_packed.available() or any(w.shape[0] % cpu_packed.TILE for w in weight[:-1]):
+        logger.info("%s: parts quantized differently and no packed kernel runs them side by side here, kept dense",
+                    name)
         return None
-    return cat_rows(found)
+    parts = [quantized_linear(_packable(w)) for w in weight]
+    if any(getattr(p, "kernel", None) != "stepahead" for p in parts):
+        logger.info("%s: parts quantized differently, one without stepahead's kernel, kept dense", name)
+        return None
+    return PackedParts(parts, bias)
 
 
-def _packable(w: GroupQuantWeight) -> GroupQuantWeight:
-    if w.bits == 4 and w.shape[0] % INT4_ROWS_MULTIPLE:
+def _packable(w: PackedCodes) -> PackedCodes:
+    if isinstance(w, GroupQuantWeight) and w.bits == 4 and w.shape[0] % INT4_ROWS_MULTIPLE:
         return quantize_int8_rows(w.dequantize())
     return w
+
+
+def _without_kernel(sources: dict[str, PackedCodes]) -> dict[str, PackedCodes]:
+    """sources less the k-quants where stepahead's kernels are not built (torch has none for them): those
+    stay dense, named in one log line."""
+    if cpu_packed.available():
+        return sources
+    dense = sorted(name for name, w in sources.items() if isinstance(w, KQuantWeight))
+    if dense:
+        logger.info("stepahead's CPU kernels are not built here: %d k-quant tensors load dense (%s, ...)",
+                    len(dense), dense[0])
+    return {name: w for name, w in sources.items() if not isinstance(w, KQuantWeight)}
 
 
 def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -99,7 +159,7 @@ def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
 
 
 @torch.no_grad()
-def quantize_model(model: nn.Module, mode: str, sources: dict[str, GroupQuantWeight] | None = None) -> int:
+def quantize_model(model: nn.Module, mode: str, sources: dict[str, PackedCodes] | None = None) -> int:
     """Swap the model's projections (and in "gguf" mode a quantized head) for packed ones; returns how
     many modules were swapped.
 
@@ -110,22 +170,26 @@ def quantize_model(model: nn.Module, mode: str, sources: dict[str, GroupQuantWei
     targets = [(name, m) for name, m in model.named_modules()
                if name.rpartition(".")[2] in LINEAR_NAMES and getattr(m, "weight", None) is not None
                and m.weight.dim() == 2]
+    sources = _without_kernel(sources or {})
     swapped = 0
     dense_invariant: dict[tuple[int, int], bool] = {}  # BLAS picks its code path by shape, not values
     for name, module in targets:
+        weight: PackedCodes | list[PackedCodes] | None
         if mode == "gguf":
-            weight = _source_weight(name, sources or {})
+            weight = _source_weight(name, sources)
         else:
             weight = _quantized(module.weight, mode)
         if weight is None:
             continue
-        if weight.shape != tuple(module.weight.shape):
-            raise ValueError(f"{name}: quantized weight has shape {weight.shape}, "
-                             f"the model's is {tuple(module.weight.shape)}")
-        bias = getattr(module, "bias", None)
-        packed = quantized_linear(_packable(weight), bias)
+        shape = (sum(w.shape[0] for w in weight), weight[0].shape[1]) if isinstance(weight, list) else weight.shape
+        if shape != tuple(module.weight.shape):
+            raise ValueError(f"{name}: quantized weight has shape {shape}, the model's is {tuple(module.weight.shape)}")
+        packed = _packed_module(name, weight, getattr(module, "bias", None))
+        if packed is None:
+            continue
         if packed.kernel == "torch":  # prompt rows then run dense (see above)
             # A GGUF model was loaded from the file's own dequantization: the same values.
+            assert not isinstance(weight, list)  # PackedParts run stepahead's kernel
             dense = module.weight.detach() if mode == "gguf" else weight.dequantize().to(module.weight.dtype)
             shape = tuple(dense.shape)
             if shape not in dense_invariant:
@@ -140,7 +204,7 @@ def quantize_model(model: nn.Module, mode: str, sources: dict[str, GroupQuantWei
         logger.info("dense GEMM rows depend on their batch for weight shapes %s on this machine: prompt "
                     "tokens run the packed kernels there", variant)
     swapped += _pack_experts(model, mode, sources or {})
-    if mode == "gguf" and _pack_head(model, sources or {}):
+    if mode == "gguf" and _pack_head(model, sources):
         swapped += 1
     return swapped
 
@@ -149,7 +213,7 @@ def _quantized(weight: torch.Tensor, mode: str) -> GroupQuantWeight:
     return quantize_int4(weight) if mode == "int4" else quantize_int8_rows(weight)
 
 
-def _pack_experts(model: nn.Module, mode: str, sources: dict[str, GroupQuantWeight]) -> int:
+def _pack_experts(model: nn.Module, mode: str, sources: dict[str, PackedCodes]) -> int:
     """Swap each MoE block's dense experts for PackedExperts; returns how many blocks were swapped."""
     swapped = 0
     for name, block in model.named_modules():
@@ -163,7 +227,7 @@ def _pack_experts(model: nn.Module, mode: str, sources: dict[str, GroupQuantWeig
                         _source_weight(f"{name}.experts.{e}.down_proj", sources))
             else:
                 pair = (_quantized(dense.gate_up_proj[e], mode), _quantized(dense.down_proj[e], mode))
-            if pair[0] is None or pair[1] is None:
+            if not all(isinstance(w, GroupQuantWeight) for w in pair):  # absent, or parts in two formats
                 break
             for weight, like in zip(pair, (dense.gate_up_proj[e], dense.down_proj[e]), strict=True):
                 if weight.shape != tuple(like.shape):
@@ -180,7 +244,7 @@ def _pack_experts(model: nn.Module, mode: str, sources: dict[str, GroupQuantWeig
     return swapped
 
 
-def _pack_head(model: nn.Module, sources: dict[str, GroupQuantWeight]) -> bool:
+def _pack_head(model: nn.Module, sources: dict[str, PackedCodes]) -> bool:
     """Give the model a RescoredHead when the file holds its head quantized: its `output` tensor, or
     `token_embd` when the embedding is tied (llama.cpp reads it so)."""
     head = getattr(model, "lm_head", None)
