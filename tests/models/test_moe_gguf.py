@@ -89,8 +89,10 @@ def test_packed_experts_give_the_same_tokens_chunked_and_preempted(tiny_model_fa
 
 
 def test_experts_without_a_packed_kernel_stay_dense(tiny_model_factory, tmp_path, caplog):
-    path = tmp_path / "q5.gguf"
-    write_gguf(tiny_model_factory("mixtral"), path, {**EXPERT_QUANT, "ffn_up_exps": "Q5_0"})
+    """A layer whose expert matrices are not all codes (here the up projections are float16) keeps
+    its experts dense, and says so."""
+    path = tmp_path / "f16-up.gguf"
+    write_gguf(tiny_model_factory("mixtral"), path, {**EXPERT_QUANT, "ffn_up_exps": "F16"})
     with caplog.at_level(logging.INFO, logger="stepahead.models.quant.quantized_loader"):
         model = load_model(load_model_config(str(path), "cpu", quantization="auto", use_cache=False), "cpu")
     assert all(isinstance(b.experts, DenseExperts) for b in _blocks(model))
