@@ -36,6 +36,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing
+    # predicts it), else token id -> Logprob (the prompt token plus the top-N).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 def device_time_measured(device: str) -> bool:

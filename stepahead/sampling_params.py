@@ -81,6 +81,9 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # top-N logprobs per sampled token (the sampled token is always included)
+    # top-N logprobs per prompt token after the first (the prompt token is always included); such a
+    # request reads nothing from the prefix cache, so every position it asks about is computed.
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -117,6 +120,10 @@ class SamplingParams:
         check_field(
             self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
             "logprobs", self.logprobs, f"must be in [0, {MAX_LOGPROBS}]",
+        )
+        check_field(
+            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+            "prompt_logprobs", self.prompt_logprobs, f"must be in [0, {MAX_LOGPROBS}]",
         )
         check_field(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty, "must be in [-2, 2]")
         check_field(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", self.frequency_penalty, "must be in [-2, 2]")

@@ -99,8 +99,9 @@ class KVCacheManager:
     # -- prefix cache --------------------------------------------------------------------------
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """Longest cached prefix of the request, in whole blocks, capped at num_tokens - 1 tokens."""
-        if not self.enable_caching:
+        """Longest cached prefix of the request, in whole blocks, capped at num_tokens - 1 tokens. None
+        for a request that asked for prompt logprobs: a hit would skip positions it wants logprobs of."""
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         hashes = update_block_hashes(request, self.block_size)
         max_blocks = (request.num_tokens - 1) // self.block_size

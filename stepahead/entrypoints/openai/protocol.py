@@ -82,9 +82,9 @@ class SamplingFields(OpenAIRequest):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     return_tokens_as_token_ids: bool | None = None  # logprobs' tokens as "token_id:N"
+    prompt_logprobs: StrictInt | None = Field(default=None, ge=-(2**31), le=2**31 - 1)  # top-N per prompt token
     # vLLM fields stepahead does not implement: declared so that setting one is a 400, never a silent ignore.
     use_beam_search: bool = False
-    prompt_logprobs: StrictInt | None = None
     return_token_ids: bool | None = None
 
 
@@ -169,12 +169,25 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's form of one token's entry in prompt_logprobs."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One entry per prompt token: None for the first, else token id (as text) -> its entry.
+PromptLogprobsList = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobsList | None = None
 
 
 class _Response(BaseModel):
@@ -236,6 +249,7 @@ class ChatCompletionResponse(_Response):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobsList | None = None
 
 
 class ModelCard(BaseModel):

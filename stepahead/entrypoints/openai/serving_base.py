@@ -50,7 +50,8 @@ class Choice:
     stop_reason: int | str | None = None
     # Tokens whose text has not been sent yet (an incomplete UTF-8 character): their logprobs wait.
     pending_ids: list[int] = field(default_factory=list)
-    pending_lps: list[dict[int, Logprob]] = field(default_factory=list)
+    pending_lps: list[dict[int, Logprob] | None] = field(default_factory=list)
+    request_id: str = ""  # the engine request the choice is a completion of
 
 
 @dataclass
@@ -63,6 +64,8 @@ class ResponseContext:
     req: Any  # the endpoint's request model
     top_logprobs: int | None  # None: no logprobs were asked for
     chunk_object: str  # the "object" of a streamed chunk
+    # Engine request id -> its prompt logprobs (SamplingParams.prompt_logprobs), once they arrived.
+    prompt_logprobs: dict[str, list[dict[int, Logprob] | None]] = field(default_factory=dict)
 
     def chunk(self, choices: list[dict], usage_: dict | None = None) -> str:
         out = {"id": self.request_id, "object": self.chunk_object, "created": self.created,
@@ -133,6 +136,10 @@ class OpenAIServing:
         """The text this delta adds to the choice."""
         return completion.text
 
+    def visible_completion(self, ctx: ResponseContext, completion: CompletionOutput) -> CompletionOutput:
+        """The completion as the client sees it (completions' echo-only requests hide the sampled token)."""
+        return completion
+
     def delta_body(self, ctx: ResponseContext, choice: Choice, text: str, final: bool) -> dict | None:
         """The endpoint's text field(s) of a streamed choice; None: nothing to send yet. final: the choice's
         last delta."""
@@ -147,7 +154,7 @@ class OpenAIServing:
         return []
 
     def logprobs_of(self, ctx: ResponseContext, choice: Choice, token_ids: list[int],
-                    entries: list[dict[int, Logprob]], text: str) -> BaseModel:
+                    entries: list[dict[int, Logprob] | None], text: str) -> BaseModel:
         """The logprobs of token_ids, whose text is `text` (the delta being sent with them)."""
         raise NotImplementedError
 
@@ -160,38 +167,42 @@ class OpenAIServing:
 
     # -- the flow ----------------------------------------------------------------------------------
 
-    def _take_logprobs(self, ctx: ResponseContext, choice: Choice, completion: CompletionOutput,
+    def _take_logprobs(self, ctx: ResponseContext, choice: Choice, completion: CompletionOutput, text: str,
                        flush: bool) -> BaseModel | None:
-        """Queue this delta's logprobs; return those of the tokens whose text is being sent."""
+        """Queue this delta's logprobs; return those of the tokens whose text (`text`) is being sent."""
         if ctx.top_logprobs is None or completion.logprobs is None:
             return None
         choice.pending_ids.extend(completion.token_ids)
         choice.pending_lps.extend(completion.logprobs)
-        if not (flush or completion.text or completion.finish_reason is not None):
+        if not (flush or text or completion.finish_reason is not None):
             return None
         # The pending tokens' text (earlier deltas held none) is this delta's.
-        logprobs = self.logprobs_of(ctx, choice, choice.pending_ids, choice.pending_lps, completion.text)
+        logprobs = self.logprobs_of(ctx, choice, choice.pending_ids, choice.pending_lps, text)
         choice.pending_ids, choice.pending_lps = [], []
         return logprobs
 
-    async def _deltas(self, stream: RequestStream,
+    async def _deltas(self, ctx: ResponseContext, stream: RequestStream,
                       prompt_tokens: dict[str, int]) -> AsyncGenerator[tuple[RequestOutput, CompletionOutput], None]:
-        """Every choice delta of the stream; records each prompt's length; a failed choice raises."""
+        """Every choice delta of the stream; records each prompt's length and prompt logprobs; a failed
+        choice raises."""
         async with contextlib.aclosing(self.engine.stream_outputs(stream)) as outputs:
             async for request_output in outputs:
                 prompt_tokens[request_output.request_id] = len(request_output.prompt_token_ids)
+                if request_output.prompt_logprobs is not None:
+                    ctx.prompt_logprobs[request_output.request_id] = request_output.prompt_logprobs
                 for completion in request_output.outputs:
                     check_finish(completion.finish_reason, completion.stop_reason)
-                    yield request_output, completion
+                    yield request_output, self.visible_completion(ctx, completion)
 
     async def _collect(self, ctx: ResponseContext, stream: RequestStream) -> JSONResponse:
         choices: dict[int, Choice] = {}
         prompt_tokens: dict[str, int] = {}
-        async with contextlib.aclosing(self._deltas(stream, prompt_tokens)) as deltas:
+        async with contextlib.aclosing(self._deltas(ctx, stream, prompt_tokens)) as deltas:
             async for request_output, completion in deltas:
                 choice = choices.setdefault(self.choice_index(ctx, request_output, completion), self.new_choice())
+                choice.request_id = request_output.request_id
                 text = self.delta_text(ctx, choice, request_output, completion)
-                logprobs = self._take_logprobs(ctx, choice, completion, flush=True)
+                logprobs = self._take_logprobs(ctx, choice, completion, text, flush=True)
                 if logprobs is not None:
                     self.keep_logprobs(choice, logprobs)
                 choice.text += text
@@ -206,13 +217,14 @@ class OpenAIServing:
         try:
             for delta in self.first_deltas(ctx):
                 yield ctx.chunk([delta])
-            async with contextlib.aclosing(self._deltas(stream, prompt_tokens)) as deltas:
+            async with contextlib.aclosing(self._deltas(ctx, stream, prompt_tokens)) as deltas:
                 async for request_output, completion in deltas:
                     index = self.choice_index(ctx, request_output, completion)
                     choice = choices.setdefault(index, self.new_choice())
+                    choice.request_id = request_output.request_id
                     choice.num_tokens += len(completion.token_ids)
                     text = self.delta_text(ctx, choice, request_output, completion)
-                    logprobs = self._take_logprobs(ctx, choice, completion, flush=False)
+                    logprobs = self._take_logprobs(ctx, choice, completion, text, flush=False)
                     final = completion.finish_reason is not None
                     body = self.delta_body(ctx, choice, text, final)
                     if body is None and logprobs is None and not final:

@@ -28,7 +28,13 @@ from stepahead.entrypoints.openai.reasoning import REASONING_PARSERS
 from stepahead.entrypoints.openai.reasoning.base import ReasoningDelta, ReasoningStream
 from stepahead.entrypoints.openai.reasoning.base import split as split_reasoning
 from stepahead.entrypoints.openai.serving_base import Choice, OpenAIServing, ResponseContext
-from stepahead.entrypoints.openai.serving_utils import clamp, encode_ids, sampling_params_of, token_text
+from stepahead.entrypoints.openai.serving_utils import (
+    clamp,
+    encode_ids,
+    prompt_logprobs_json,
+    sampling_params_of,
+    token_text,
+)
 from stepahead.entrypoints.openai.template_sandbox import TemplateSandbox
 from stepahead.entrypoints.openai.token_bytes import TokenBytes
 from stepahead.entrypoints.openai.tool_calling.parsers.base import ToolCall, ToolStream, collect
@@ -136,14 +142,15 @@ def _flatten_content(message: ChatMessage, index: int) -> str:
     return "\n".join(texts)
 
 
-def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], top_n: int, decode,
+def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob] | None], top_n: int, decode,
                   raw_bytes: TokenBytes, as_ids: bool = False) -> ChatLogprobs:
     """as_ids: return_tokens_as_token_ids, tokens as "token_id:N" (bytes then those of that text, as vLLM)."""
     def token_bytes(token_id: int, text: str) -> list[int]:
         return list(text.encode()) if as_ids else list(raw_bytes(token_id))
 
     content = []
-    for token_id, entry in zip(token_ids, entries, strict=False):
+    for token_id, maybe_entry in zip(token_ids, entries, strict=False):
+        entry = maybe_entry or {}  # chat never echoes prompt tokens: every entry is a sampled token's
         sampled = entry.get(token_id)
         token = token_text(token_id, sampled, decode, as_ids)
         top: list[TopLogprob] = []
@@ -208,7 +215,7 @@ class OpenAIServingChat(OpenAIServing):
             plan_tools(None, req.tool_choice, None, False)
         top_logprobs = self._top_logprobs(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = sampling_params_of(req, max_tokens, top_logprobs, self.generation_defaults)
+        params = sampling_params_of(req, max_tokens, top_logprobs, self.generation_defaults, req.prompt_logprobs)
         if plan is not None and plan.constrained:
             if params.structured_outputs is not None:
                 raise APIError(f"tool_choice {plan.mode!r} constrains the output itself: it cannot be combined with "
@@ -291,7 +298,7 @@ class OpenAIServingChat(OpenAIServing):
         return finish_reason(ctx.tool_plan, choice.called, reason)
 
     def logprobs_of(self, ctx: ResponseContext, choice: Choice, token_ids: list[int],
-                    entries: list[dict[int, Logprob]], text: str) -> ChatLogprobs:
+                    entries: list[dict[int, Logprob] | None], text: str) -> ChatLogprobs:
         return chat_logprobs(token_ids, entries, ctx.top_logprobs, self.engine.tokenizer.decode, self.token_bytes,
                              bool(ctx.req.return_tokens_as_token_ids))
 
@@ -304,6 +311,8 @@ class OpenAIServingChat(OpenAIServing):
             id=ctx.request_id, created=ctx.created, model=ctx.model_name,
             choices=[self._choice(ctx, index, choice) for index, choice in choices],
             usage=UsageInfo(**usage_),
+            prompt_logprobs=prompt_logprobs_json(ctx.prompt_logprobs.get(ctx.request_id))
+            if ctx.req.prompt_logprobs is not None else None,
         )
 
     def _choice(self, ctx: _ChatContext, index: int, choice: _ChatChoice) -> ChatChoice:
