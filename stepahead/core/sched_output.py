@@ -133,6 +133,7 @@ class EngineCoreOutput:
     new_logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int = 0
     new_prompt_logprobs: PromptLogprobs | None = None
+    first_scheduled_time: float | None = None  # on the first output: when the request was first scheduled
 
     @property
     def finished(self) -> bool:

@@ -8,6 +8,7 @@ StepPlan and turned into the worker's SchedulerOutput by step_plan.py.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from typing import Any, Protocol
 
@@ -260,6 +261,8 @@ class Scheduler:
             queue.popleft()
             self.running.append(req)
             (plan.new if req.status == RequestStatus.WAITING else plan.resumed).append(req)
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:
@@ -394,6 +397,7 @@ class Scheduler:
                     new_logprobs=token_logprobs[:len(new_ids)] if token_logprobs else None,
                     num_cached_tokens=max(req.num_cached_tokens, 0) if is_first_output else 0,
                     new_prompt_logprobs=prompt_logprobs,
+                    first_scheduled_time=req.first_scheduled_time if is_first_output else None,
                 ))
         if stopped_running:
             gone = {id(r) for r in stopped_running}

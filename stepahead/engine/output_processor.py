@@ -127,6 +127,7 @@ class _Parent:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_prompt_logprobs: int = 0  # entries filled
     sent_prompt_logprobs: bool = False  # a DELTA output carried them
+    first_scheduled_time: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -145,6 +146,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._parents: dict[str, _Parent] = {}
         self._children: dict[str, tuple[_Parent, _Completion]] = {}  # engine request id -> owner
+        self._token_texts: dict[int, str] = {}  # at most the vocabulary
 
     def add_request(
         self,
@@ -195,6 +197,8 @@ class OutputProcessor:
             parent, child = owner
             if output.num_cached_tokens:
                 parent.num_cached_tokens = output.num_cached_tokens
+            if output.first_scheduled_time is not None and parent.first_scheduled_time is None:
+                parent.first_scheduled_time = output.first_scheduled_time
             if output.new_prompt_logprobs is not None:
                 self._add_prompt_logprobs(parent, output.new_prompt_logprobs)
             if self._update_child_or_fail(child, output):
@@ -274,15 +278,23 @@ class OutputProcessor:
                     parent.num_prompt_logprobs += 1
                 lps[position] = self._logprob_dict(entry)
 
+    def _token_text(self, token_id: int) -> str:
+        """One token decoded alone; cached, since the same ids recur in every top-N list (a prompt's
+        logprobs are hundreds of thousands of them) and this runs on the server's event loop."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
     def _logprob_dict(self, token_logprobs: TokenLogprobs) -> dict[int, Logprob]:
         """The sampled token (first, with its true rank) plus the top-N ranked 1..N."""
-        decode = self.tokenizer.decode
+        decode = self._token_text
         sampled = token_logprobs.token_ids[0]
-        entries = {sampled: Logprob(token_logprobs.logprobs[0], token_logprobs.sampled_rank, decode([sampled]))}
+        entries = {sampled: Logprob(token_logprobs.logprobs[0], token_logprobs.sampled_rank, decode(sampled))}
         top_n = zip(token_logprobs.token_ids[1:], token_logprobs.logprobs[1:], strict=True)
         for rank, (token_id, value) in enumerate(top_n, start=1):
             if token_id not in entries:
-                entries[token_id] = Logprob(value, rank, decode([token_id]))
+                entries[token_id] = Logprob(value, rank, decode(token_id))
         return entries
 
     # -- assembly ----------------------------------------------------------------------------------
@@ -309,6 +321,7 @@ class OutputProcessor:
             finished=finished,
             num_cached_tokens=parent.num_cached_tokens,
             prompt_logprobs=prompt_logprobs,
+            first_scheduled_time=parent.first_scheduled_time,
         )
 
     @staticmethod

@@ -434,7 +434,7 @@ class ModelRunner:
                 stop_ids += self.eos_token_ids
         num_outputs = len(state.token_ids) - state.num_prompt_tokens
         # The output history is copied only for rows whose penalties read it.
-        outputs = state.output_token_ids if params.uses_penalties else []
+        outputs = state.output_token_ids if params.reads_output_history else []
         return RowSampling(params, state.prompt_token_ids, outputs, stop_ids, num_outputs)
 
     def _apply_grammar_bitmask(self, logits: torch.Tensor, step: _StepState, grammar_output: GrammarOutput) -> None:
@@ -462,8 +462,8 @@ class ModelRunner:
                 out.trace_events = step.events
             return out
         logits = self.model.compute_logits(step.hidden).float()
-        if any(state.sampling_params.uses_penalties for state in states):
-            self._resolve_outputs()  # penalties read every earlier output id
+        if any(state.sampling_params.reads_output_history for state in states):
+            self._resolve_outputs()  # penalties and bad words read every earlier output id
         rows = [self._row_sampling(state) for state in states]
         if grammar_output is not None and grammar_output.grammar_bitmask is not None:
             t_mask = time.monotonic()

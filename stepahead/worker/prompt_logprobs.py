@@ -97,8 +97,8 @@ def _run(compute_logits: Callable[[torch.Tensor], torch.Tensor], req_id: str, st
         target_lp = lp.gather(1, targets[i:i + ROWS_PER_CHUNK].unsqueeze(1))
         chosen.append(target_lp.squeeze(1))
         ranks.append((lp > target_lp).sum(dim=1) + 1)
-        if k > 0:
-            values, ids = lp.topk(min(k, lp.shape[1]), dim=1)
+        if k != 0:  # -1: the whole vocabulary
+            values, ids = lp.topk(lp.shape[1] if k == -1 else min(k, lp.shape[1]), dim=1)
             top_v.append(values)
             top_i.append(ids)
     return _RequestRun(req_id, start, targets, torch.cat(chosen), torch.cat(ranks),

@@ -9,7 +9,7 @@ import pytest
 
 from stepahead import LLM, SamplingParams
 from stepahead.outputs import Logprob
-from tests.tiny_models import hf_prompt_logprobs
+from tests.tiny_models import VOCAB_SIZE, hf_prompt_logprobs
 
 MAX_MODEL_LEN = 128
 TOP_K = 4
@@ -136,7 +136,27 @@ def test_n_completions_share_the_prompt_logprobs(tiny_llama, reference):
     _assert_matches(outs, reference[3:4])
 
 
-@pytest.mark.parametrize("value", [-2, 21])
-def test_out_of_range_is_refused(value):
-    with pytest.raises(ValueError, match="prompt_logprobs"):
-        SamplingParams(prompt_logprobs=value)
+def test_out_of_range_is_refused(tiny_llama):
+    with pytest.raises(ValueError, match="prompt_logprobs must be -1"):
+        SamplingParams(prompt_logprobs=-2)
+    with LLM(str(tiny_llama), executor="uni", max_model_len=MAX_MODEL_LEN) as llm:
+        for asked, phrase in ((21, "at most 20"), (-1, "at most 20, the engine's max_logprobs; -1 asks for the whole")):
+            with pytest.raises(ValueError, match=f"prompt_logprobs must be {phrase}"):
+                llm.generate("hello", SamplingParams(prompt_logprobs=asked), use_tqdm=False)
+            with pytest.raises(ValueError, match=f"logprobs must be {phrase}"):
+                llm.generate("hello", SamplingParams(logprobs=asked), use_tqdm=False)
+
+
+def test_minus_one_is_the_whole_vocabulary(tiny_llama, reference):
+    """With --max-logprobs -1 (no limit), -1 lists every token, ranked, for prompt and sampled tokens."""
+    params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=-1, logprobs=-1)
+    outs, _ = _run(tiny_llama, prompts=_prompts()[2:3], params=params, max_logprobs=-1)
+    out, ref = outs[0], reference[2]
+    for p in range(1, len(out.prompt_logprobs)):
+        entries = out.prompt_logprobs[p]
+        assert len(entries) == VOCAB_SIZE
+        assert sorted(v.rank for v in entries.values()) == list(range(1, VOCAB_SIZE + 1))
+        token_id = out.prompt_token_ids[p]
+        assert entries[token_id].logprob == pytest.approx(ref[p][token_id][0], abs=1e-4)
+    for entries, token_id in zip(out.outputs[0].logprobs, out.outputs[0].token_ids, strict=True):
+        assert len(entries) == VOCAB_SIZE and entries[token_id].rank == 1  # greedy: the sampled token ranks first

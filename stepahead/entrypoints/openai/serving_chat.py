@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
+from stepahead.engine.async_llm import RequestStream
 from stepahead.entrypoints.openai.errors import APIError
 from stepahead.entrypoints.openai.protocol import (
     ChatChoice,
@@ -41,7 +42,7 @@ from stepahead.entrypoints.openai.tool_calling.parsers.base import ToolCall, Too
 from stepahead.entrypoints.openai.tool_calling.streams import finish_reason, tool_stream
 from stepahead.entrypoints.openai.tool_calling.tools import ToolPlan, plan_tools
 from stepahead.outputs import LOGPROB_FLOOR, Logprob
-from stepahead.sampling_params import MAX_LOGPROBS, StructuredOutputsParams
+from stepahead.sampling_params import StructuredOutputsParams
 from stepahead.validation import InvalidInputError, shorten
 
 NO_TEMPLATE = ("As of transformers v4.44, default chat template is no longer allowed, so you must provide a "
@@ -208,6 +209,11 @@ class OpenAIServingChat(OpenAIServing):
                                  if self.limits.trust_request_chat_template else None)
 
     async def create(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
+        ctx, stream = await self.start(req)
+        return await self.respond(ctx, stream, raw_request)
+
+    async def start(self, req: ChatCompletionRequest) -> tuple[_ChatContext, RequestStream]:
+        """Check, render and submit the request; its output is then read through `collect_response` or `chunks`."""
         model_name = self.check_request(req)
         # Checking the tools' schemas grows with them: off the event loop.
         plan = await self.offload.run(plan_tools, req.tools, req.tool_choice, req.parallel_tool_calls,
@@ -237,16 +243,20 @@ class OpenAIServingChat(OpenAIServing):
                                       self.template_sandbox, req.tools)
         prompt_ids = await self.offload.run(encode_ids, tokenizer, text, req.add_special_tokens)
         request_id = random_id("chatcmpl")
-        stream = self.add_request(req, request_id, {"prompt_token_ids": prompt_ids, "prompt": text}, params)
-        ctx = _ChatContext(request_id, model_name, int(time.time()), req, top_logprobs, "chat.completion.chunk",
+        try:
+            stream = self.add_request(req, request_id, {"prompt_token_ids": prompt_ids, "prompt": text}, params)
+        except InvalidInputError as e:
+            if e.param == "logprobs":  # chat's name for the count
+                raise APIError(f"top_{e}", 400, "top_logprobs") from None
+            raise
+        ctx = _ChatContext(request_id, model_name, int(time.time()), req, self.shown_logprobs(top_logprobs),
+                           "chat.completion.chunk",
                            tool_plan=plan, echo=_echoed(req),
                            reasoning_parser=None if _json_only(params) else self.reasoning_parser)
-        return await self.respond(ctx, stream, raw_request)
+        return ctx, stream
 
     @staticmethod
     def _top_logprobs(req: ChatCompletionRequest) -> int | None:
-        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
-            raise APIError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}", 400, "top_logprobs")
         if not req.logprobs:
             if req.top_logprobs:
                 raise APIError("top_logprobs requires logprobs to be true", 400, "top_logprobs")

@@ -82,7 +82,7 @@ class OpenAIServingCompletion(OpenAIServing):
         echo_only = req.echo and req.max_tokens == 0
         prompt_logprobs = req.prompt_logprobs
         if req.echo and req.logprobs is not None:  # the echoed prompt's tokens carry logprobs too
-            prompt_logprobs = req.logprobs if prompt_logprobs is None else max(prompt_logprobs, req.logprobs)
+            prompt_logprobs = _wider(prompt_logprobs, req.logprobs)
         params = sampling_params_of(req, 1 if echo_only else req.max_tokens, req.logprobs, self.generation_defaults,
                                     prompt_logprobs)
         await self.check_grammar(req, params)
@@ -95,7 +95,8 @@ class OpenAIServingCompletion(OpenAIServing):
         request_id = random_id("cmpl")
         ids = [f"{request_id}-{index}" for index in range(len(prompts))]
         stream = self._submit(req, ids, prompts, params)
-        ctx = _CompletionContext(request_id, model_name, int(time.time()), req, req.logprobs, "text_completion",
+        ctx = _CompletionContext(request_id, model_name, int(time.time()), req, self.shown_logprobs(req.logprobs),
+                                 "text_completion",
                                  prompt_index={rid: index for index, rid in enumerate(ids)}, echo_only=echo_only)
         return await self.respond(ctx, stream, raw_request)
 
@@ -185,6 +186,13 @@ class OpenAIServingCompletion(OpenAIServing):
         if ctx.req.prompt_logprobs is None:
             return None
         return prompt_logprobs_json(ctx.prompt_logprobs.get(choice.request_id))
+
+
+def _wider(a: int | None, b: int) -> int:
+    """The larger top-N of two (-1, the whole vocabulary, is the largest)."""
+    if a is None:
+        return b
+    return -1 if -1 in (a, b) else max(a, b)
 
 
 def _prompt_list(req: CompletionRequest) -> list:

@@ -152,6 +152,7 @@ def sampling_params_of(req: SamplingFields, max_tokens: int | None, logprobs: in
         # SamplingParams makes the keys ints (refusing any that is not); the engine checks the ids.
         logit_bias=cast(dict[int, float] | None, req.logit_bias),
         allowed_token_ids=req.allowed_token_ids,
+        bad_words=req.bad_words,
     )
 
 
