@@ -433,7 +433,7 @@ class ModelRunner:
             if not params.ignore_eos:
                 stop_ids += self.eos_token_ids
         num_outputs = len(state.token_ids) - state.num_prompt_tokens
-        # The output history is copied only for rows whose penalties read it.
+        # The output history is copied only for rows whose penalties or bad words read it.
         outputs = state.output_token_ids if params.reads_output_history else []
         return RowSampling(params, state.prompt_token_ids, outputs, stop_ids, num_outputs)
 

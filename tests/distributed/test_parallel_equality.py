@@ -12,6 +12,7 @@ import pytest
 from stepahead import LLM, SamplingParams
 from stepahead.bench.plot import lanes_of
 from tests.distributed.conftest import GREEDY, MAX_MODEL_LEN, SEEDED, prompts, token_ids
+from tests.tiny_models import hf_prompt_logprobs
 
 CONFIGS = {
     "tp2": dict(tensor_parallel_size=2),  # async, depth 2
@@ -76,3 +77,20 @@ def test_pipeline_depth3_preemption_and_abort_in_flight(tiny_llama, single_rank_
         assert list(lanes) == ["engine", "stage 0", "stage 1"]
         assert {"forward", "send_hidden"} <= {e.name for e in lanes["stage 0"]}
         assert {"wait_hidden", "forward", "sample"} <= {e.name for e in lanes["stage 1"]}
+
+
+@pytest.mark.parametrize("name", ["tp2", "pp2_async"])
+def test_prompt_logprobs_across_ranks(tiny_llama, name):
+    """Every last-stage tensor rank computes the prompt rows' logits (their all-gather needs all of them);
+    the sampling rank reports them: the values of one transformers forward, chunked prefill included."""
+    ids = [p["prompt_token_ids"] for p in prompts()]
+    reference = hf_prompt_logprobs(tiny_llama, ids, 3)
+    with LLM(str(tiny_llama), max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=16, **CONFIGS[name]) as llm:
+        outs = llm.generate(prompts(), SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=3),
+                            use_tqdm=False)
+    for out, ref in zip(outs, reference, strict=True):
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ref)
+        for entries, expected in zip(out.prompt_logprobs[1:], ref[1:], strict=True):
+            assert {t: v.rank for t, v in entries.items()} == {t: r for t, (_, r) in expected.items()}
+            assert {t: v.logprob for t, v in entries.items()} == pytest.approx(
+                {t: lp for t, (lp, _) in expected.items()}, abs=1e-4)
