@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import Field, StrictInt
 
-from stepahead.entrypoints.openai.protocol import OpenAIRequest, StreamOptions
+from stepahead.entrypoints.openai.protocol import OpenAIRequest
 
 _MAX_COUNT = 2**31 - 1
 
@@ -44,7 +44,7 @@ class ResponsesRequest(OpenAIRequest):
     previous_response_id: str | None = None
     store: bool = True  # keep the response (bounded, in memory) for previous_response_id and GET
     stream: bool = False
-    stream_options: StreamOptions | None = None
+    background: bool = False  # not implemented: declared so that asking for it is a 400, never ignored
     text: TextConfig | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None

@@ -117,6 +117,8 @@ class OpenAIServingResponses:
 
     async def create(self, req: ResponsesRequest, raw_request: Request) -> Response:
         self.chat.model.log_ignored_fields(req)
+        if req.background:
+            raise APIError("background is not supported by this server", 400, "background")
         history: list[ChatMessage] = []
         if req.previous_response_id is not None:
             history = self.store.get(req.previous_response_id).messages

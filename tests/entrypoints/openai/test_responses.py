@@ -81,6 +81,7 @@ def test_chat_tool_form_of_a_function_call_input(client):
     ({"input": "hi", "tool_choice": "required"}, "tool_choice"),
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "hi", "text": {"format": {"type": "xml"}}}, "text"),
+    ({"input": "hi", "background": True}, "background"),
 ])
 def test_bad_requests(http, body, param):
     r = http.post("/v1/responses", json={"model": MODEL_NAME, **body})
