@@ -203,4 +203,6 @@ class EngineConfig:
     async_output: bool = False
     # "xgrammar": requests may carry a grammar (structured outputs); "none": such requests are refused.
     structured_outputs_backend: str = "xgrammar"
+    # The most logprobs (and prompt logprobs) per token a request may ask for; -1: no limit (vLLM's).
+    max_logprobs: int = 20
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)

@@ -36,6 +36,11 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing
+    # predicts it), else token id -> Logprob (the prompt token plus the top-N).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # time.monotonic() when the engine first scheduled the request (its queue time ends there).
+    first_scheduled_time: float | None = None
 
 
 def device_time_measured(device: str) -> bool:

@@ -112,6 +112,7 @@ class Request:
         self.num_in_flight_draft_tokens = 0
         self.num_preemptions = 0
         self.num_cached_tokens = -1
+        self.first_scheduled_time: float | None = None  # time.monotonic() of its first admission (metrics)
         self.block_hashes: list[int] = []
         self.use_structured_output = sampling_params.structured_outputs is not None
         # The grammar hook's per-request state (its compile and matcher); set when the request is added.

@@ -12,7 +12,8 @@ from stepahead.validation import InvalidInputError, check_field, shorten
 
 logger = logging.getLogger(__name__)
 
-MAX_LOGPROBS = 20
+# The engine's default cap on logprobs per token (EngineArgs.max_logprobs, --max-logprobs).
+DEFAULT_MAX_LOGPROBS = 20
 # OpenAI's range for a logit_bias value: -100 bans a token in practice, +100 forces it.
 MAX_LOGIT_BIAS = 100.0
 # Below this a temperature is greedy; up to _MIN_TEMPERATURE it is raised to that: dividing logits by a
@@ -80,7 +81,12 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
-    logprobs: int | None = None  # top-N logprobs per sampled token (the sampled token is always included)
+    # top-N logprobs per sampled token (the sampled token is always included); -1: the whole vocabulary.
+    # The engine caps N at its max_logprobs.
+    logprobs: int | None = None
+    # top-N logprobs per prompt token after the first (the prompt token is always included); such a
+    # request reads nothing from the prefix cache, so every position it asks about is computed.
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -88,6 +94,11 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before penalties and sampling
     allowed_token_ids: list[int] | None = None  # sample only among these (and their logprobs are over them)
+    # Words never to complete (vLLM's bad_words): a word's last token is banned wherever the output ends
+    # with the rest of it. The engine fills bad_words_token_ids from the tokenizer (each word alone and
+    # after a space); they are what the sampler reads.
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
     extra_args: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -114,14 +125,17 @@ class SamplingParams:
             self.max_tokens is None or self.min_tokens <= self.max_tokens,
             "min_tokens", self.min_tokens, f"must be <= max_tokens ({self.max_tokens})",
         )
-        check_field(
-            self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
-            "logprobs", self.logprobs, f"must be in [0, {MAX_LOGPROBS}]",
-        )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            check_field(value is None or value >= -1, name, value, "must be -1 (the whole vocabulary) or >= 0")
         check_field(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty, "must be in [-2, 2]")
         check_field(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", self.frequency_penalty, "must be in [-2, 2]")
         check_field(0.0 < self.repetition_penalty <= 2.0, "repetition_penalty", self.repetition_penalty, "must be in (0, 2]")
         check_field(all(self.stop), "stop", self.stop, "must not contain empty strings")
+        if self.bad_words is not None:
+            self.bad_words = list(self.bad_words)
+            check_field(all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words", self.bad_words,
+                        "must be non-empty strings")
         check_field(all(token_id >= 0 for token_id in self.stop_token_ids), "stop_token_ids", self.stop_token_ids,
                     "must be >= 0")
         self._check_logit_bias()
@@ -158,6 +172,11 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def reads_output_history(self) -> bool:
+        """Sampling needs every earlier output id: penalties count them, bad words match their ends."""
+        return self.uses_penalties or bool(self.bad_words_token_ids)
 
     @property
     def uses_penalties(self) -> bool:

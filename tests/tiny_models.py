@@ -185,3 +185,26 @@ def hf_logits(folder: Path, ids: list[int]):
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].float()
+
+
+def hf_prompt_logprobs(folder: Path, prompts: list[list[int]], top_k: int) -> list[list[dict[int, tuple[float, int]] | None]]:
+    """Reference prompt logprobs from one transformers float32 forward per prompt: per position None
+    (the first) or token id -> (logprob, 1-based rank), for the prompt token and the top_k."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    result = []
+    with torch.no_grad():
+        for ids in prompts:
+            lp = model(torch.tensor([ids])).logits[0].float().log_softmax(dim=-1)
+            positions: list[dict[int, tuple[float, int]] | None] = [None]
+            for p in range(1, len(ids)):
+                row, target = lp[p - 1], ids[p]
+                entries = {target: (row[target].item(), int((row > row[target]).sum()) + 1)}
+                values, top = row.topk(top_k) if top_k else (torch.empty(0), torch.empty(0, dtype=torch.long))
+                for rank, (token_id, value) in enumerate(zip(top.tolist(), values.tolist(), strict=True), start=1):
+                    entries.setdefault(token_id, (value, rank))
+                positions.append(entries)
+            result.append(positions)
+    return result

@@ -109,8 +109,9 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of the request, in whole blocks, capped at num_tokens - 1 tokens. With a
         sliding window only the blocks in the window before the hit point must be cached; the list
-        holds the null block for the earlier ones."""
-        if not self.enable_caching:
+        holds the null block for the earlier ones. None for a request that asked for prompt logprobs:
+        a hit would skip positions it wants logprobs of."""
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         hashes = update_block_hashes(request, self.block_size)
         max_blocks = (request.num_tokens - 1) // self.block_size

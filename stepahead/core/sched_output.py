@@ -81,6 +81,15 @@ class TokenLogprobs:
 
 
 @dataclass
+class PromptLogprobs:
+    """Logprobs of a run of prompt tokens, computed by one step: entry i is the prompt token at
+    position start + i (first, with its rank) and the top-N there. Position 0 never has one."""
+
+    start: int
+    entries: list[TokenLogprobs]
+
+
+@dataclass
 class ModelRunnerOutput:
     req_ids: list[str]
     # Per request, in req_ids order: [] for a partial prefill, else the sampled token(s): with k drafts
@@ -99,6 +108,8 @@ class ModelRunnerOutput:
     # Drafts proposed after this step's sampling, per request id: the synchronous scheduler schedules
     # them next step; the async one ignores them (the worker keeps its drafts and fills placeholders).
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Per request id that asked for prompt logprobs and computed prompt positions this step.
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
 
     @staticmethod
     def empty() -> ModelRunnerOutput:
@@ -121,6 +132,8 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     new_logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int = 0
+    new_prompt_logprobs: PromptLogprobs | None = None
+    first_scheduled_time: float | None = None  # on the first output: when the request was first scheduled
 
     @property
     def finished(self) -> bool:

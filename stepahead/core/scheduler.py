@@ -8,6 +8,7 @@ StepPlan and turned into the worker's SchedulerOutput by step_plan.py.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from typing import Any, Protocol
 
@@ -260,6 +261,8 @@ class Scheduler:
             queue.popleft()
             self.running.append(req)
             (plan.new if req.status == RequestStatus.WAITING else plan.resumed).append(req)
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:
@@ -358,8 +361,11 @@ class Scheduler:
                 continue  # failed below, after the loop
             row = row_of.get(rid)
             sampled = sampled_rows[row] if row is not None else ()
-            if not sampled:
-                continue  # a prefill chunk: nothing sampled, nothing emitted
+            prompt_logprobs = model_runner_output.prompt_logprobs.get(rid)
+            if not sampled:  # a prefill chunk: nothing sampled, only its prompt logprobs (if asked) emitted
+                if prompt_logprobs is not None:
+                    outputs.append(EngineCoreOutput(rid, [], new_prompt_logprobs=prompt_logprobs))
+                continue
             if num_drafts:
                 assert len(sampled) <= 1 + num_drafts, f"{rid}: {len(sampled)} tokens from {num_drafts} drafts"
                 self._reconcile_drafts(req, num_drafts, len(sampled) - 1, is_stale)
@@ -384,12 +390,14 @@ class Scheduler:
                 finish_reason = req.get_finished_reason()
                 self._free_request(req)
                 (stopped_running if status_before == RequestStatus.RUNNING else stopped_preempted).append(req)
-            if new_ids or stopped:
+            if new_ids or stopped or prompt_logprobs is not None:
                 token_logprobs = logprobs.get(rid) if logprobs else None
                 outputs.append(EngineCoreOutput(
                     rid, new_ids, finish_reason, req.stop_reason,
                     new_logprobs=token_logprobs[:len(new_ids)] if token_logprobs else None,
                     num_cached_tokens=max(req.num_cached_tokens, 0) if is_first_output else 0,
+                    new_prompt_logprobs=prompt_logprobs,
+                    first_scheduled_time=req.first_scheduled_time if is_first_output else None,
                 ))
         if stopped_running:
             gone = {id(r) for r in stopped_running}

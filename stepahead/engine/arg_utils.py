@@ -98,6 +98,8 @@ class EngineArgs:
     structured_outputs_backend: str = _arg(
         "xgrammar", "grammar backend for structured outputs (JSON schema, regex, choice, EBNF); 'none' refuses "
                     "requests that carry one")
+    max_logprobs: int = _arg(20, "the most logprobs and prompt logprobs per token a request may ask for (-1 in a "
+                                 "request means the whole vocabulary); -1: no limit")
     tensor_parallel_size: int = _arg(1, "worker ranks each layer is split across (attention heads, MLP, vocabulary)")
     pipeline_parallel_size: int = _arg(
         1, "pipeline stages the layers are split across; that many steps are in flight (one more with async "
@@ -113,6 +115,7 @@ class EngineArgs:
         for name, allowed in CHOICES.items():
             value = getattr(self, name)
             check_field(value in allowed, name, value, f"must be one of {', '.join(allowed)}")
+        check_field(self.max_logprobs >= -1, "max_logprobs", self.max_logprobs, "must be -1 (no limit) or >= 0")
         check_field(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size", self.block_size,
                     "must be a power of two in [1, 128]")
         check_field(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
@@ -218,6 +221,7 @@ class EngineArgs:
             async_output=(device == "cuda" if self.async_output is None else self.async_output)
             and parallel_config.world_size == 1,
             structured_outputs_backend=self.structured_outputs_backend,
+            max_logprobs=self.max_logprobs,
             parallel_config=parallel_config,
         )
 

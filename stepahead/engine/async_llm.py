@@ -76,6 +76,14 @@ class FinishedRequest:
     e2e_s: float
     num_prompt_tokens: int
     num_generation_tokens: int
+    # vLLM's request phases, from arrival, first scheduling, first token and finish (None where the
+    # request never reached that point): waiting, prefill, decode, and prefill plus decode.
+    queue_s: float | None = None
+    prefill_s: float | None = None
+    decode_s: float | None = None
+    inference_s: float | None = None
+    n: int = 1  # the request's sampling parameters
+    max_tokens: int | None = None
 
 
 @dataclass
@@ -85,18 +93,30 @@ class IterationStats:
     ttfts_s: list[float] = field(default_factory=list)
     itls_s: list[float] = field(default_factory=list)
     finished: list[FinishedRequest] = field(default_factory=list)
+    step_tokens: list[int] = field(default_factory=list)  # tokens of each engine step since the last batch
 
 
 @dataclass
 class _Timing:
     arrival: float
     num_prompt_tokens: int
+    n: int = 1
+    max_tokens: int | None = None
+    scheduled: float | None = None  # first scheduled (the engine's clock: time.monotonic on this machine)
+    first_token: float | None = None
     last_token: float | None = None
     tokens_per_choice: dict[int, int] = field(default_factory=dict)
 
     def finished(self, reason: str, now: float, index: int | None = None) -> FinishedRequest:
         tokens = self.tokens_per_choice.get(index, 0) if index is not None else sum(self.tokens_per_choice.values())
-        return FinishedRequest(reason, now - self.arrival, self.num_prompt_tokens, tokens)
+        scheduled, first = self.scheduled, self.first_token
+        return FinishedRequest(
+            reason, now - self.arrival, self.num_prompt_tokens, tokens,
+            queue_s=None if scheduled is None else max(scheduled - self.arrival, 0.0),
+            prefill_s=None if scheduled is None or first is None else max(first - scheduled, 0.0),
+            decode_s=None if first is None else now - first,
+            inference_s=None if scheduled is None else max(now - scheduled, 0.0),
+            n=self.n, max_tokens=self.max_tokens)
 
 
 StatsListener = Callable[[IterationStats, EngineStats | None], None]
@@ -109,7 +129,8 @@ class AsyncLLM:
         self.config = config
         self.model_config = config.model_config
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model_config)
-        self.input_processor = InputProcessor(config.model_config, self.tokenizer, config.structured_outputs_backend)
+        self.input_processor = InputProcessor(config.model_config, self.tokenizer, config.structured_outputs_backend,
+                                              config.max_logprobs)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats_listeners: list[StatsListener] = []
         self.dead_event = asyncio.Event()
@@ -207,7 +228,7 @@ class AsyncLLM:
         stream = stream if stream is not None else RequestStream()
         self.output_processor.add_request(request_id, children, prompt_text, RequestOutputKind.DELTA)
         self._streams[request_id] = stream
-        self._timings[request_id] = _Timing(arrival, len(children[0].prompt_token_ids))
+        self._timings[request_id] = _Timing(arrival, len(children[0].prompt_token_ids), params.n, params.max_tokens)
         stream.request_ids.append(request_id)
         stream.unfinished.add(request_id)
         self._send(AddRequests([EngineRequest.from_request(child) for child in children]))
@@ -292,21 +313,21 @@ class AsyncLLM:
     def _handle(self, msg) -> None:
         if isinstance(msg, EngineOutputs):
             if msg.outputs:
-                self._route(msg.outputs, msg.stats)
+                self._route(msg.outputs, msg.stats, msg.step_tokens)
             elif msg.stats is not None:
                 self._stats = msg.stats
-                self._emit(IterationStats(), msg.stats)
+                self._emit(IterationStats(step_tokens=msg.step_tokens), msg.stats)
         elif isinstance(msg, EngineFailed):
             self._set_dead(f"The engine failed: {msg.message}")
 
-    def _route(self, engine_outputs, engine_stats: EngineStats | None) -> None:
+    def _route(self, engine_outputs, engine_stats: EngineStats | None, step_tokens: list[int]) -> None:
         if engine_stats is not None:
             self._stats = engine_stats
         request_outputs, to_abort = self.output_processor.process_outputs(engine_outputs)
         if to_abort:
             self._send(AbortRequests(to_abort))
         now = time.monotonic()
-        iteration = IterationStats()
+        iteration = IterationStats(step_tokens=step_tokens)
         for request_output in request_outputs:
             self._record_timing(request_output, now, iteration)
             stream = self._streams.get(request_output.request_id)
@@ -321,8 +342,11 @@ class AsyncLLM:
         timing = self._timings.get(request_output.request_id)
         if timing is None:
             return
+        if timing.scheduled is None:
+            timing.scheduled = request_output.first_scheduled_time
         if any(completion.token_ids for completion in request_output.outputs):
             if timing.last_token is None:
+                timing.first_token = now
                 iteration.ttfts_s.append(now - timing.arrival)
             else:
                 iteration.itls_s.append(now - timing.last_token)

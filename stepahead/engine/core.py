@@ -79,6 +79,9 @@ class EngineCore:
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._finished_by_reason: dict[str, int] = {}
+        # Tokens of each step since the last take_step_tokens (the server's iteration_tokens_total);
+        # None: nobody reads them, so nothing is kept.
+        self._step_tokens: list[int] | None = None
 
     # -- requests ----------------------------------------------------------------------------------
 
@@ -253,6 +256,8 @@ class EngineCore:
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         if scheduler_output.total_num_scheduled_tokens > 0:
             self._forward_steps += 1
+            if self._step_tokens is not None:
+                self._step_tokens.append(scheduler_output.total_num_scheduled_tokens)
         self._busy_s += model_output.busy_s
         self._gpu_busy_s += model_output.gpu_busy_s
         if self._trace:
@@ -318,6 +323,11 @@ class EngineCore:
             finished_by_reason=dict(self._finished_by_reason),
             device=self.config.device,
         )
+
+    def take_step_tokens(self) -> list[int]:
+        """Each step's token count since the last call (the first call starts the recording)."""
+        tokens, self._step_tokens = self._step_tokens or [], []
+        return tokens
 
     def drain_trace_events(self) -> list[TraceEvent]:
         events, self._trace_events = self._trace_events, []

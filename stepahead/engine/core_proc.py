@@ -121,7 +121,7 @@ def _busy_loop(core: EngineCore, inbox: queue.Queue, outbox: _Outbox, trace_even
     while True:
         if not core.has_work():
             # Going idle: the last snapshot must show the engine empty (0 running, blocks freed).
-            outbox.send(messages.EngineOutputs([], core.get_stats()))
+            outbox.send(messages.EngineOutputs([], core.get_stats(), core.take_step_tokens()))
             if not _apply(core, inbox.get(), outbox):
                 return
         while True:
@@ -137,7 +137,7 @@ def _busy_loop(core: EngineCore, inbox: queue.Queue, outbox: _Outbox, trace_even
         if trace_events is not None:
             trace_events.extend(core.drain_trace_events())
         if outputs:
-            outbox.send(messages.EngineOutputs(outputs, core.get_stats()))
+            outbox.send(messages.EngineOutputs(outputs, core.get_stats(), core.take_step_tokens()))
 
 
 def _apply(core: EngineCore, msg: messages.EngineInput | _WorkerFailed, outbox: _Outbox) -> bool:

@@ -10,9 +10,9 @@ from typing import Any
 
 from stepahead.config import ModelConfig
 from stepahead.request import Request, check_context_length
-from stepahead.sampling_params import SamplingParams
+from stepahead.sampling_params import DEFAULT_MAX_LOGPROBS, SamplingParams
 from stepahead.structured_output import validate_structured_outputs
-from stepahead.validation import InvalidInputError
+from stepahead.validation import InvalidInputError, check_field
 
 # A prompt is text, token ids, or {"prompt_token_ids": [...]} (optionally with "prompt": its text).
 PromptType = str | list[int] | dict[str, Any]
@@ -44,8 +44,10 @@ def check_structured_outputs(params: SamplingParams, backend: str) -> None:
 
 
 class InputProcessor:
-    def __init__(self, model_config: ModelConfig, tokenizer: Any, structured_outputs_backend: str = "xgrammar") -> None:
+    def __init__(self, model_config: ModelConfig, tokenizer: Any, structured_outputs_backend: str = "xgrammar",
+                 max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> None:
         self.model_config = model_config
+        self.max_logprobs = max_logprobs  # -1: no limit
         self.structured_outputs_backend = structured_outputs_backend
         self.tokenizer = tokenizer
         self.max_model_len = model_config.max_model_len
@@ -84,6 +86,8 @@ class InputProcessor:
     ) -> tuple[list[Request], str | None]:
         """The n engine Requests of one prompt, and the prompt's text (None for token-id prompts)."""
         prompt_ids, text = self.tokenize(prompt)
+        if params.bad_words:
+            params = dataclasses.replace(params, bad_words_token_ids=self.bad_words_token_ids(params.bad_words))
         self.validate(prompt_ids, params)
         children = []
         for index in range(params.n):
@@ -102,6 +106,29 @@ class InputProcessor:
             ))
         return children, text
 
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each word's token ids alone and after a space (where that is another token sequence of the
+        same length, vLLM's rule: the word as it appears mid-text)."""
+        encode = self.tokenizer.encode
+        out: list[list[int]] = []
+        for word in words:
+            alone = list(encode(word.lstrip(), add_special_tokens=False))
+            spaced = list(encode(" " + word.lstrip(), add_special_tokens=False))
+            out.append(alone)
+            if len(spaced) == len(alone) and spaced[0] != alone[0]:
+                out.append(spaced)
+        return [ids for ids in out if ids]
+
+    def _check_num_logprobs(self, params: SamplingParams) -> None:
+        """At most max_logprobs per token (-1 asks for the whole vocabulary)."""
+        limit = self.max_logprobs
+        for name, asked in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
+            if asked is None or limit == -1:
+                continue
+            wanted = self.vocab_size if asked == -1 else asked
+            whole = f"; -1 asks for the whole vocabulary, {self.vocab_size} tokens" if asked == -1 else ""
+            check_field(wanted <= limit, name, asked, f"must be at most {limit}, the engine's max_logprobs{whole}")
+
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         self.check_structured_outputs(params)
         if not prompt_ids:
@@ -114,5 +141,6 @@ class InputProcessor:
                 param="prompt_token_ids",
             )
         params.validate_token_ids(self.vocab_size)
+        self._check_num_logprobs(params)
         # max_tokens None means "the rest of the context", which still needs room for one token.
         check_context_length(len(prompt_ids), self.max_model_len, params.max_tokens or 1)

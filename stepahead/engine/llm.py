@@ -48,7 +48,7 @@ class LLM:
                 executor.shutdown()
                 raise
         self.input_processor = InputProcessor(self.config.model_config, self.tokenizer,
-                                              self.config.structured_outputs_backend)
+                                              self.config.structured_outputs_backend, self.config.max_logprobs)
         self.output_processor = OutputProcessor(self.tokenizer)
         try:
             self.engine_core = EngineCore(self.config, executor)

@@ -71,6 +71,7 @@ class EngineReady(msgspec.Struct, tag="ready"):
 class EngineOutputs(msgspec.Struct, tag="outputs"):
     outputs: list[EngineCoreOutput]
     stats: EngineStats | None = None
+    step_tokens: list[int] = []  # tokens of each step since the last message (iteration_tokens_total)
 
 
 class EngineFailed(msgspec.Struct, tag="failed"):

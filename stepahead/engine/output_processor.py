@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from stepahead.core.sched_output import EngineCoreOutput, TokenLogprobs
+from stepahead.core.sched_output import EngineCoreOutput, PromptLogprobs, TokenLogprobs
 from stepahead.outputs import CompletionOutput, Logprob, RequestOutput
 from stepahead.request import Request
 from stepahead.sampling_params import SamplingParams
@@ -122,10 +122,23 @@ class _Parent:
     kind: RequestOutputKind
     children: list[_Completion]
     num_cached_tokens: int = 0
+    # With prompt logprobs asked: one entry per prompt position (position 0 stays None), filled as the
+    # steps that compute them report; a recompute after preemption writes the same values again.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_prompt_logprobs: int = 0  # entries filled
+    sent_prompt_logprobs: bool = False  # a DELTA output carried them
+    first_scheduled_time: float | None = None
 
     @property
     def finished(self) -> bool:
         return all(child.finished for child in self.children)
+
+    def complete_prompt_logprobs(self) -> list[dict[int, Logprob] | None] | None:
+        """Every position's prompt logprobs once all have arrived, else None."""
+        lps = self.prompt_logprobs
+        if lps is None or self.num_prompt_logprobs < len(lps) - 1:
+            return None
+        return list(lps)
 
 
 class OutputProcessor:
@@ -133,6 +146,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._parents: dict[str, _Parent] = {}
         self._children: dict[str, tuple[_Parent, _Completion]] = {}  # engine request id -> owner
+        self._token_texts: dict[int, str] = {}  # at most the vocabulary
 
     def add_request(
         self,
@@ -155,6 +169,8 @@ class OutputProcessor:
                 logprobs=[] if params.logprobs is not None else None,
             ))
         parent = _Parent(request_id, prompt, prompt_ids, output_kind, children)
+        if engine_requests[0].sampling_params.prompt_logprobs is not None:
+            parent.prompt_logprobs = [None] * len(prompt_ids)
         self._parents[request_id] = parent
         for child in children:
             self._children[child.engine_id] = (parent, child)
@@ -181,6 +197,10 @@ class OutputProcessor:
             parent, child = owner
             if output.num_cached_tokens:
                 parent.num_cached_tokens = output.num_cached_tokens
+            if output.first_scheduled_time is not None and parent.first_scheduled_time is None:
+                parent.first_scheduled_time = output.first_scheduled_time
+            if output.new_prompt_logprobs is not None:
+                self._add_prompt_logprobs(parent, output.new_prompt_logprobs)
             if self._update_child_or_fail(child, output):
                 to_abort.append(child.engine_id)
             if child.finished:
@@ -248,15 +268,33 @@ class OutputProcessor:
         child.stop_reason = stop
         return True
 
+    def _add_prompt_logprobs(self, parent: _Parent, run: PromptLogprobs) -> None:
+        lps = parent.prompt_logprobs
+        if lps is None:
+            return
+        for position, entry in enumerate(run.entries, start=run.start):
+            if 0 < position < len(lps):
+                if lps[position] is None:
+                    parent.num_prompt_logprobs += 1
+                lps[position] = self._logprob_dict(entry)
+
+    def _token_text(self, token_id: int) -> str:
+        """One token decoded alone; cached, since the same ids recur in every top-N list (a prompt's
+        logprobs are hundreds of thousands of them) and this runs on the server's event loop."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
     def _logprob_dict(self, token_logprobs: TokenLogprobs) -> dict[int, Logprob]:
         """The sampled token (first, with its true rank) plus the top-N ranked 1..N."""
-        decode = self.tokenizer.decode
+        decode = self._token_text
         sampled = token_logprobs.token_ids[0]
-        entries = {sampled: Logprob(token_logprobs.logprobs[0], token_logprobs.sampled_rank, decode([sampled]))}
+        entries = {sampled: Logprob(token_logprobs.logprobs[0], token_logprobs.sampled_rank, decode(sampled))}
         top_n = zip(token_logprobs.token_ids[1:], token_logprobs.logprobs[1:], strict=True)
         for rank, (token_id, value) in enumerate(top_n, start=1):
             if token_id not in entries:
-                entries[token_id] = Logprob(value, rank, decode([token_id]))
+                entries[token_id] = Logprob(value, rank, decode(token_id))
         return entries
 
     # -- assembly ----------------------------------------------------------------------------------
@@ -269,6 +307,12 @@ class OutputProcessor:
             completions = [self._delta(child) for child in parent.children if child.index in changed]
         else:
             completions = [self._cumulative(child) for child in parent.children]
+        prompt_logprobs = parent.complete_prompt_logprobs()
+        if kind is RequestOutputKind.DELTA:  # sent once, with the first output that has them all
+            if parent.sent_prompt_logprobs:
+                prompt_logprobs = None
+            elif prompt_logprobs is not None:
+                parent.sent_prompt_logprobs = True
         return RequestOutput(
             request_id=parent.request_id,
             prompt=parent.prompt,
@@ -276,6 +320,8 @@ class OutputProcessor:
             outputs=completions,
             finished=finished,
             num_cached_tokens=parent.num_cached_tokens,
+            prompt_logprobs=prompt_logprobs,
+            first_scheduled_time=parent.first_scheduled_time,
         )
 
     @staticmethod

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import cast
 
 from stepahead.sampling_params import StructuredOutputsParams
+from stepahead.structured_output.lark import is_likely_lark, lark_to_ebnf
 from stepahead.validation import InvalidInputError
 
 # xgrammar prefixes its messages with a time and a C++ source location: "[05:37:43] /project/cpp/x.cc:94: ".
@@ -44,7 +45,10 @@ def grammar_spec(params: StructuredOutputsParams) -> GrammarSpec:
         # JSON string escapes are EBNF string escapes, so any choice text is one literal.
         literals = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in cast(list[str], params.choice))
         return GrammarSpec("grammar", f"root ::= {literals}")
-    return GrammarSpec("grammar", cast(str, params.grammar))
+    grammar = cast(str, params.grammar)
+    if is_likely_lark(grammar):  # vLLM accepts Lark's syntax too: converted to EBNF
+        grammar = lark_to_ebnf(grammar)
+    return GrammarSpec("grammar", grammar)
 
 
 def compiler_message(error: Exception) -> str:

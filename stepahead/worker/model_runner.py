@@ -35,6 +35,7 @@ from stepahead.utils import cdiv
 from stepahead.worker import kv_memory
 from stepahead.worker.async_output import AsyncModelRunnerOutput, copy_to_host
 from stepahead.worker.cuda_graphs import DecodeBatch, DecodeGraphs
+from stepahead.worker.prompt_logprobs import StepPromptLogprobs, compute_prompt_logprobs
 from stepahead.worker.request_state import CachedRequestState
 from stepahead.worker.row_failures import RowsApart, sample_rows_apart
 from stepahead.worker.sampled_feed import SampledTokenFeed
@@ -105,6 +106,7 @@ class _StepState:
     t_start: float
     events: list[TraceEvent]
     gpu_start: torch.cuda.Event | None  # recorded just before the step's upload, its first device work (CUDA)
+    prompt_logprobs: StepPromptLogprobs | None = None  # for requests that asked (worker/prompt_logprobs.py)
 
 
 class ModelRunner:
@@ -396,7 +398,10 @@ class ModelRunner:
             events.append(TraceEvent("wait_hidden", "worker", t1, t_recv, args))
             t1 = t_recv
         hidden = self._forward(inputs)
+        prompt_logprobs = None
         if self.ps.is_last_stage:
+            prompt_logprobs = compute_prompt_logprobs(self.model.compute_logits, hidden, inputs.req_ids,
+                                                      scheduler_output.num_scheduled_tokens, self.requests)
             hidden = hidden.index_select(0, inputs.logits_indices)
         t2 = time.monotonic()
         prepare = TraceEvent("prepare_inputs", "worker", t_tokens, events[0].start if events else t1, args)
@@ -408,7 +413,8 @@ class ModelRunner:
             hidden = None
             events.append(TraceEvent("send_hidden", "worker", t2, time.monotonic(), args))
         self._step = _StepState(scheduler_output.step_id, inputs.req_ids, inputs.sample_rows, hidden,
-                                scheduler_output.total_num_scheduled_tokens, t0, events, inputs.gpu_start)
+                                scheduler_output.total_num_scheduled_tokens, t0, events, inputs.gpu_start,
+                                prompt_logprobs)
         return None
 
     def _resolve_outputs(self, keep_latest: bool = False) -> None:
@@ -428,8 +434,8 @@ class ModelRunner:
             if not params.ignore_eos:
                 stop_ids += self.eos_token_ids
         num_outputs = len(state.token_ids) - state.num_prompt_tokens
-        # The output history is copied only for rows whose penalties read it.
-        outputs = state.output_token_ids if params.uses_penalties else []
+        # The output history is copied only for rows whose penalties or bad words read it.
+        outputs = state.output_token_ids if params.reads_output_history else []
         return RowSampling(params, state.prompt_token_ids, outputs, stop_ids, num_outputs)
 
     def _apply_grammar_bitmask(self, logits: torch.Tensor, step: _StepState, grammar_output: GrammarOutput) -> None:
@@ -457,8 +463,8 @@ class ModelRunner:
                 out.trace_events = step.events
             return out
         logits = self.model.compute_logits(step.hidden).float()
-        if any(state.sampling_params.uses_penalties for state in states):
-            self._resolve_outputs()  # penalties read every earlier output id
+        if any(state.sampling_params.reads_output_history for state in states):
+            self._resolve_outputs()  # penalties and bad words read every earlier output id
         rows = [self._row_sampling(state) for state in states]
         if grammar_output is not None and grammar_output.grammar_bitmask is not None:
             t_mask = time.monotonic()
@@ -531,6 +537,8 @@ class ModelRunner:
         # On CPU the host does the device's work: its time is the device time too (CUDA overrides it).
         busy_s = t1 - step.t_start
         out = ModelRunnerOutput(step.req_ids, sampled_token_ids, logprobs, busy_s=busy_s, gpu_busy_s=busy_s)
+        if step.prompt_logprobs is not None:
+            out.prompt_logprobs = step.prompt_logprobs.to_host()
         if apart is not None:
             out.failed = {step.req_ids[step.sample_rows[i]]: reason for i, reason in apart.failed.items()}
         if self.config.trace:

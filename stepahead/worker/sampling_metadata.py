@@ -32,6 +32,16 @@ class RowSampling:
             self.num_output_tokens = len(self.output_token_ids)
 
 
+def banned_bad_word_tokens(bad_words: list[list[int]], output_token_ids: list[int]) -> list[int]:
+    """The last token of each bad word whose other tokens end the output (a one-token word, always)."""
+    banned = []
+    for word in bad_words:
+        prefix = word[:-1]
+        if not prefix or (len(output_token_ids) >= len(prefix) and output_token_ids[-len(prefix):] == prefix):
+            banned.append(word[-1])
+    return banned
+
+
 def seed_as_int64(seed: int) -> int:
     """A request seed reduced modulo 2**64 and stored as a two's-complement int64."""
     seed &= (1 << 64) - 1
@@ -90,7 +100,7 @@ class SamplingMetadata:
     output_index: torch.Tensor  # [R] int64: output tokens the row already has (the seeded draw's counter)
     truncated: torch.Tensor  # [T] int64: positions in random_rows of the truncated rows
     untruncated: torch.Tensor  # [R - T] int64: positions of the others
-    # -- min_tokens: (row, token) pairs to set to -inf --
+    # -- min_tokens' stop tokens and banned bad-word tokens: (row, token) pairs to set to -inf --
     stop_rows: torch.Tensor  # [S] int64
     stop_tokens: torch.Tensor  # [S] int64
     # -- penalties, for the rows that use one (None when no row does) --
@@ -157,8 +167,11 @@ class SamplingMetadata:
         trunc_set = set(trunc)
         suppress = [(i, t) for i, r in enumerate(rows)
                     if r.num_output_tokens < r.params.min_tokens for t in r.stop_token_ids]
+        suppress += [(i, t) for i, r in enumerate(rows) if r.params.bad_words_token_ids
+                     for t in banned_bad_word_tokens(r.params.bad_words_token_ids, r.output_token_ids)]
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        num_logprobs = tuple(n for p in params if (n := p.logprobs) is not None)  # lp_rows' counts
+        # lp_rows' counts; -1 is the whole vocabulary
+        num_logprobs = tuple(vocab_size if n == -1 else n for p in params if (n := p.logprobs) is not None)
         pen = [i for i, p in enumerate(params) if p.uses_penalties]
         rep = [i for i in pen if params[i].repetition_penalty != 1.0]
         allowed = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]

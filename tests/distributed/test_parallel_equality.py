@@ -13,7 +13,7 @@ from stepahead import LLM, SamplingParams
 from stepahead.bench.plot import lanes_of
 from stepahead.distributed.layer_partition import PARTITION_ENV
 from tests.distributed.conftest import GREEDY, MAX_MODEL_LEN, MAX_TOKENS, SEEDED, prompts, token_ids
-from tests.tiny_models import GEMMA_ARCHS, hf_greedy, phi3_longrope
+from tests.tiny_models import GEMMA_ARCHS, hf_greedy, hf_prompt_logprobs, phi3_longrope
 
 CONFIGS = {
     "tp2": dict(tensor_parallel_size=2),  # async, depth 2
@@ -125,3 +125,20 @@ def test_moe_parallel_equals_one_rank(tiny_model_factory, arch, name):
     with LLM(folder, max_model_len=MAX_MODEL_LEN, **CONFIGS[name]) as llm:
         assert token_ids(llm, GREEDY) == greedy
         assert token_ids(llm, SEEDED) == seeded
+
+
+@pytest.mark.parametrize("name", ["tp2", "pp2_async"])
+def test_prompt_logprobs_across_ranks(tiny_llama, name):
+    """Every last-stage tensor rank computes the prompt rows' logits (their all-gather needs all of them);
+    the sampling rank reports them: the values of one transformers forward, chunked prefill included."""
+    ids = [p["prompt_token_ids"] for p in prompts()]
+    reference = hf_prompt_logprobs(tiny_llama, ids, 3)
+    with LLM(str(tiny_llama), max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=16, **CONFIGS[name]) as llm:
+        outs = llm.generate(prompts(), SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=3),
+                            use_tqdm=False)
+    for out, ref in zip(outs, reference, strict=True):
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ref)
+        for entries, expected in zip(out.prompt_logprobs[1:], ref[1:], strict=True):
+            assert {t: v.rank for t, v in entries.items()} == {t: r for t, (_, r) in expected.items()}
+            assert {t: v.logprob for t, v in entries.items()} == pytest.approx(
+                {t: lp for t, (lp, _) in expected.items()}, abs=1e-4)

@@ -119,3 +119,27 @@ def test_stream_yields_deltas_that_add_up(llm, greedy_out):
 def test_progress_bar(llm, capsys):
     llm.generate([PROMPT, PROMPT], SamplingParams(max_tokens=2), use_tqdm=True)
     assert "Processed prompts" in capsys.readouterr().err
+
+
+def _contains(tokens: list[int], word: list[int]) -> bool:
+    return any(tokens[i:i + len(word)] == word for i in range(len(tokens) - len(word) + 1))
+
+
+@pytest.mark.parametrize("span", [(1, 2), (3, 5)])
+def test_bad_words_are_never_completed(llm, greedy_out, span):
+    """vLLM's bad_words: the greedy output's own words (one token, then two) never appear again."""
+    tokens = greedy_out.token_ids
+    word = llm.get_tokenizer().decode(tokens[span[0]:span[1]])
+    words = llm.input_processor.bad_words_token_ids([word])
+    assert any(_contains(tokens, ids) for ids in words)
+    (out,) = llm.generate(PROMPT, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, bad_words=[word]),
+                          use_tqdm=False)
+    banned = out.outputs[0].token_ids
+    assert not any(_contains(banned, ids) for ids in words)
+    first = next(i for i in range(len(tokens)) if any(_contains(tokens[:i + 1], ids) for ids in words))
+    assert banned[:first] == tokens[:first] and banned != tokens  # the same output up to the banned token
+
+
+def test_bad_words_must_be_words():
+    with pytest.raises(ValueError, match="bad_words must be non-empty strings"):
+        SamplingParams(bad_words=["ok", " "])

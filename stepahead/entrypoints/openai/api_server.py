@@ -31,7 +31,7 @@ from stepahead.entrypoints.openai.errors import (
     document_errors,
     install_error_handlers,
 )
-from stepahead.entrypoints.openai.metrics import ServerMetrics, log_stats_periodically
+from stepahead.entrypoints.openai.metrics import METRICS_PREFIXES, ServerMetrics, log_stats_periodically
 from stepahead.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -47,9 +47,12 @@ from stepahead.entrypoints.openai.request_limits import (
     RequestLimits,
     default_max_sequences,
 )
+from stepahead.entrypoints.openai.responses_input import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
+from stepahead.entrypoints.openai.responses_protocol import ResponsesRequest
 from stepahead.entrypoints.openai.server_args import make_parser
 from stepahead.entrypoints.openai.serving_chat import OpenAIServingChat, message_chars, render_chat
 from stepahead.entrypoints.openai.serving_completions import OpenAIServingCompletion
+from stepahead.entrypoints.openai.serving_responses import OpenAIServingResponses
 from stepahead.entrypoints.openai.serving_utils import ServedModel, encode_ids
 
 logger = logging.getLogger("stepahead.entrypoints.openai")
@@ -77,9 +80,13 @@ class ServerState:
 def build_app(engine: AsyncLLM, model: ServedModel, api_key: str | None = None,
               state: ServerState | None = None, limits: RequestLimits | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, tool_parser: str | None = None,
-              reasoning_parser: str | None = None) -> FastAPI:
+              reasoning_parser: str | None = None,
+              max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
+              enable_prompt_tokens_details: bool = False, metrics_prefix: str = "stepahead") -> FastAPI:
     """tool_parser: the --tool-call-parser for tool_choice "auto"; None refuses "auto". reasoning_parser:
-    the --reasoning-parser; None leaves the output whole."""
+    the --reasoning-parser; None leaves the output whole. max_stored_responses: /v1/responses kept for
+    previous_response_id. enable_prompt_tokens_details: usage counts the prompt tokens the prefix cache
+    held. metrics_prefix: "stepahead" or "vllm", the metric families' prefix."""
     state = state or ServerState()
     limits = limits or RequestLimits(model.max_model_len,
                                      default_max_sequences(engine.config.scheduler_config.max_num_seqs))
@@ -89,12 +96,14 @@ def build_app(engine: AsyncLLM, model: ServedModel, api_key: str | None = None,
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
-    metrics = ServerMetrics(model.name, model.max_model_len, engine.get_stats)
+    metrics = ServerMetrics(model.name, model.max_model_len, engine.get_stats, METRICS_PREFIXES[metrics_prefix],
+                            engine.config.cache_config, engine.config.scheduler_config.max_num_batched_tokens)
     engine.stats_listeners.append(metrics.record)
     offload = Offload()
-    completions = OpenAIServingCompletion(engine, model, limits, offload)
-    chat = OpenAIServingChat(engine, model, limits, offload, tool_parser=tool_parser,
+    completions = OpenAIServingCompletion(engine, model, limits, offload, enable_prompt_tokens_details)
+    chat = OpenAIServingChat(engine, model, limits, offload, enable_prompt_tokens_details, tool_parser=tool_parser,
                              reasoning_parser=reasoning_parser)
+    responses = OpenAIServingResponses(chat, ResponseStore(max_stored_responses))
     app.state.engine, app.state.metrics, app.state.server_state = engine, metrics, state
 
     def accepting(request: Request) -> None:
@@ -130,6 +139,14 @@ def build_app(engine: AsyncLLM, model: ServedModel, api_key: str | None = None,
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         return await chat.create(body, request)
 
+    @app.post("/v1/responses", dependencies=[Depends(accepting)])
+    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        return await responses.create(body, request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> Response:
+        return responses.retrieve(response_id)
+
     @app.post("/tokenize", dependencies=[Depends(accepting)])
     async def tokenize(body: TokenizeRequest) -> JSONResponse:
         model.check(body.model)
@@ -147,9 +164,8 @@ def build_app(engine: AsyncLLM, model: ServedModel, api_key: str | None = None,
             raise APIError("Either prompt or messages is required", 400, "prompt")
         tokens = await offload.run(encode_ids, tokenizer, text, add_special)
         limits.check_tokens(len(tokens), "prompt" if body.messages is None else "messages")
-        body_out: dict = {"count": len(tokens), "max_model_len": model.max_model_len, "tokens": tokens}
-        if body.return_token_strs:
-            body_out["token_strs"] = tokenizer.convert_ids_to_tokens(tokens)
+        body_out: dict = {"count": len(tokens), "max_model_len": model.max_model_len, "tokens": tokens,
+                          "token_strs": tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None}
         return JSONResponse(body_out)
 
     @app.post("/detokenize", dependencies=[Depends(accepting)])
@@ -268,7 +284,8 @@ async def run_server(ns: argparse.Namespace) -> int:
                            ns.max_sequences_per_request or default_max_sequences(config.scheduler_config.max_num_seqs),
                            ns.trust_request_chat_template)
     app = build_app(engine, model, api_key, state, limits, ns.max_request_bytes,
-                    ns.tool_call_parser if ns.enable_auto_tool_choice else None, ns.reasoning_parser)
+                    ns.tool_call_parser if ns.enable_auto_tool_choice else None, ns.reasoning_parser,
+                    ns.max_stored_responses, ns.enable_prompt_tokens_details, ns.metrics_prefix)
     paths = [route.path for route in app.routes]  # type: ignore[attr-defined]  # every route here has a path
     routes = ", ".join(sorted(path for path in paths if not path.startswith(("/docs", "/redoc", "/openapi"))))
     logger.info("Routes: %s", routes)

@@ -165,7 +165,9 @@ _ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error"
                    "param": {"type": ["string", "null"]}, "code": {"type": "integer"}}}}}
 _ERROR_STATUSES = {"400": "Bad request", "401": "Missing or wrong API key", "404": "Unknown model",
                    "413": "Request body too large", "500": "Engine failure", "503": "Shutting down or engine dead"}
-_STREAMING = ("/v1/completions", "/v1/chat/completions")
+_STREAMING = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+# GET endpoints that answer an error: its status and what it means.
+_GET_ERRORS = {"/v1/responses/{response_id}": {"404": "No stored response has this id"}}
 _PLAIN_TEXT = {"/health": "Empty body: 200 while the engine is alive, 503 once it is dead",
                "/metrics": "Prometheus text exposition format"}
 
@@ -189,6 +191,9 @@ def document_errors(app: FastAPI) -> None:
                             responses[status] = {"description": description, **error}
                         if path in _STREAMING:  # "stream": true answers with server-sent events
                             responses["200"].setdefault("content", {})["text/event-stream"] = {}
+                    elif method == "get":
+                        for status, description in _GET_ERRORS.get(path, {}).items():
+                            responses[status] = {"description": description, **error}
                     if path in _PLAIN_TEXT:
                         responses["200"] = {"description": _PLAIN_TEXT[path], "content": {"text/plain": {}}}
                         if path == "/health":

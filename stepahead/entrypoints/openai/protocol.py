@@ -32,6 +32,7 @@ class OpenAIRequest(BaseModel):
 
 class StreamOptions(OpenAIRequest):
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM's: usage on every chunk (with include_usage)
 
 
 class StructuredOutputs(OpenAIRequest):
@@ -69,6 +70,7 @@ class SamplingFields(OpenAIRequest):
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
     logit_bias: dict[str, LogitBias] | None = None  # token id (as text) -> bias added to its logit
     allowed_token_ids: list[TokenId] | None = None
+    bad_words: list[str] | None = None  # vLLM's: words the output never completes
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     stream: bool = False
@@ -82,9 +84,9 @@ class SamplingFields(OpenAIRequest):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     return_tokens_as_token_ids: bool | None = None  # logprobs' tokens as "token_id:N"
+    prompt_logprobs: StrictInt | None = Field(default=None, ge=-(2**31), le=2**31 - 1)  # top-N per prompt token
     # vLLM fields stepahead does not implement: declared so that setting one is a 400, never a silent ignore.
     use_beam_search: bool = False
-    prompt_logprobs: StrictInt | None = None
     return_token_ids: bool | None = None
 
 
@@ -92,7 +94,7 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     max_tokens: StrictInt | None = Field(default=16, ge=0, le=_MAX_COUNT)
     echo: bool = False
-    logprobs: StrictInt | None = Field(default=None, ge=0, le=_MAX_COUNT)
+    logprobs: StrictInt | None = Field(default=None, ge=-1, le=_MAX_COUNT)  # -1: the whole vocabulary
     suffix: str | None = None
     add_special_tokens: bool = True
 
@@ -126,7 +128,7 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: StrictInt | None = Field(default=None, ge=0, le=_MAX_COUNT)  # deprecated alias of max_completion_tokens
     max_completion_tokens: StrictInt | None = Field(default=None, ge=0, le=_MAX_COUNT)
     logprobs: bool = False
-    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=_MAX_COUNT)
+    top_logprobs: StrictInt | None = Field(default=None, ge=-1, le=_MAX_COUNT)  # -1: the whole vocabulary
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False  # the chat template already adds what the model needs
@@ -145,7 +147,7 @@ class TokenizeRequest(OpenAIRequest):
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    return_token_strs: bool = False
+    return_token_strs: bool | None = False
 
 
 class DetokenizeRequest(OpenAIRequest):
@@ -156,10 +158,15 @@ class DetokenizeRequest(OpenAIRequest):
 # -- responses ---------------------------------------------------------------------------------------
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens found in the prefix cache
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None  # with --enable-prompt-tokens-details
 
 
 class CompletionLogprobs(BaseModel):
@@ -169,12 +176,25 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's form of one token's entry in prompt_logprobs."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One entry per prompt token: None for the first, else token id (as text) -> its entry.
+PromptLogprobsList = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobsList | None = None
 
 
 class _Response(BaseModel):
@@ -236,6 +256,7 @@ class ChatCompletionResponse(_Response):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobsList | None = None
 
 
 class ModelCard(BaseModel):

@@ -63,9 +63,9 @@ class RequestLimits:
     def max_prompt_chars(self) -> int:
         return self.max_model_len * MAX_CHARS_PER_TOKEN
 
-    def check_chars(self, num_chars: int, param: str) -> None:
+    def check_chars(self, num_chars: int, param: str, what: str = "the prompt has") -> None:
         if num_chars > self.max_prompt_chars:
-            raise APIError(f"the prompt has {num_chars} characters, more than a context of {self.max_model_len} "
+            raise APIError(f"{what} {num_chars} characters, more than a context of {self.max_model_len} "
                            f"tokens can hold (at most {self.max_prompt_chars})", 400, param)
 
     def check_tokens(self, num_tokens: int, param: str) -> None:

@@ -10,6 +10,7 @@ import argparse
 from stepahead.entrypoints.engine_flags import add_engine_args
 from stepahead.entrypoints.openai.reasoning import REASONING_PARSERS
 from stepahead.entrypoints.openai.request_limits import DEFAULT_MAX_REQUEST_BYTES
+from stepahead.entrypoints.openai.responses_input import DEFAULT_MAX_STORED_RESPONSES
 from stepahead.entrypoints.openai.tool_calling.parsers import TOOL_PARSERS
 
 DESCRIPTION = "OpenAI-compatible HTTP server"
@@ -43,6 +44,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
                        help="split the model's reasoning (<think>...</think>) into reasoning_content on chat "
                             "completions (deepseek_r1: the template opens the think block; qwen3: the output does)")
+    group.add_argument("--max-stored-responses", type=int, default=DEFAULT_MAX_STORED_RESPONSES,
+                       help="/v1/responses kept in memory for previous_response_id; the oldest goes first "
+                            "(default: %(default)s)")
+    group.add_argument("--enable-prompt-tokens-details", action="store_true",
+                       help="usage.prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache held")
+    group.add_argument("--metrics-prefix", choices=["stepahead", "vllm"], default="stepahead",
+                       help="the prefix of /metrics' families: 'vllm' serves them under vLLM's own names "
+                            "(vllm:...), for dashboards built for vLLM (default: %(default)s)")
     group.add_argument("--uvicorn-log-level", default="warning",
                        choices=["critical", "error", "warning", "info", "debug", "trace"])
     # Instead of the engine's --trace switch: a file to write the trace to at shutdown.

@@ -50,7 +50,8 @@ class Choice:
     stop_reason: int | str | None = None
     # Tokens whose text has not been sent yet (an incomplete UTF-8 character): their logprobs wait.
     pending_ids: list[int] = field(default_factory=list)
-    pending_lps: list[dict[int, Logprob]] = field(default_factory=list)
+    pending_lps: list[dict[int, Logprob] | None] = field(default_factory=list)
+    request_id: str = ""  # the engine request the choice is a completion of
 
 
 @dataclass
@@ -63,20 +64,26 @@ class ResponseContext:
     req: Any  # the endpoint's request model
     top_logprobs: int | None  # None: no logprobs were asked for
     chunk_object: str  # the "object" of a streamed chunk
+    # Engine request id -> its prompt logprobs (SamplingParams.prompt_logprobs), once they arrived.
+    prompt_logprobs: dict[str, list[dict[int, Logprob] | None]] = field(default_factory=dict)
 
-    def chunk(self, choices: list[dict], usage_: dict | None = None) -> str:
+    def chunk(self, choices: list[dict], usage_: dict | None = None) -> dict:
         out = {"id": self.request_id, "object": self.chunk_object, "created": self.created,
                "model": self.model_name, "choices": choices}
         if usage_ is not None:
             out["usage"] = usage_
-        return sse(out)
+        return out
 
 
 class OpenAIServing:
     EMPTY_BODY: dict = {}  # a streamed choice's text fields when it has no text (logprobs waiting on a character)
 
-    def __init__(self, engine: AsyncLLM, model: ServedModel, limits: RequestLimits, offload: Offload) -> None:
+    def __init__(self, engine: AsyncLLM, model: ServedModel, limits: RequestLimits, offload: Offload,
+                 prompt_tokens_details: bool = False) -> None:
+        """prompt_tokens_details: usage says how many prompt tokens the prefix cache held
+        (--enable-prompt-tokens-details)."""
         self.engine = engine
+        self.prompt_tokens_details = prompt_tokens_details
         self.model = model
         self.limits = limits
         self.offload = offload  # tokenizing and chat templates run here, off the event loop
@@ -87,7 +94,13 @@ class OpenAIServing:
         model_name = self.model.check(req.model)
         self.model.log_ignored_fields(req)
         reject_unsupported(req)
+        if req.bad_words:  # tokenized on the event loop with the prompt's checks: bounded like a prompt
+            self.limits.check_chars(sum(len(word) for word in req.bad_words), "bad_words", "bad_words have")
         return model_name
+
+    def shown_logprobs(self, asked: int | None) -> int | None:
+        """How many top logprobs a response lists per token: -1 is the whole vocabulary."""
+        return self.engine.model_config.vocab_size if asked == -1 else asked
 
     async def check_grammar(self, req: SamplingFields, params: SamplingParams) -> None:
         """Parse the request's grammar on a worker thread under the parse time limit, so a large
@@ -133,6 +146,10 @@ class OpenAIServing:
         """The text this delta adds to the choice."""
         return completion.text
 
+    def visible_completion(self, ctx: ResponseContext, completion: CompletionOutput) -> CompletionOutput:
+        """The completion as the client sees it (completions' echo-only requests hide the sampled token)."""
+        return completion
+
     def delta_body(self, ctx: ResponseContext, choice: Choice, text: str, final: bool) -> dict | None:
         """The endpoint's text field(s) of a streamed choice; None: nothing to send yet. final: the choice's
         last delta."""
@@ -147,7 +164,7 @@ class OpenAIServing:
         return []
 
     def logprobs_of(self, ctx: ResponseContext, choice: Choice, token_ids: list[int],
-                    entries: list[dict[int, Logprob]], text: str) -> BaseModel:
+                    entries: list[dict[int, Logprob] | None], text: str) -> BaseModel:
         """The logprobs of token_ids, whose text is `text` (the delta being sent with them)."""
         raise NotImplementedError
 
@@ -160,76 +177,97 @@ class OpenAIServing:
 
     # -- the flow ----------------------------------------------------------------------------------
 
-    def _take_logprobs(self, ctx: ResponseContext, choice: Choice, completion: CompletionOutput,
+    def _take_logprobs(self, ctx: ResponseContext, choice: Choice, completion: CompletionOutput, text: str,
                        flush: bool) -> BaseModel | None:
-        """Queue this delta's logprobs; return those of the tokens whose text is being sent."""
+        """Queue this delta's logprobs; return those of the tokens whose text (`text`) is being sent."""
         if ctx.top_logprobs is None or completion.logprobs is None:
             return None
         choice.pending_ids.extend(completion.token_ids)
         choice.pending_lps.extend(completion.logprobs)
-        if not (flush or completion.text or completion.finish_reason is not None):
+        if not (flush or text or completion.finish_reason is not None):
             return None
         # The pending tokens' text (earlier deltas held none) is this delta's.
-        logprobs = self.logprobs_of(ctx, choice, choice.pending_ids, choice.pending_lps, completion.text)
+        logprobs = self.logprobs_of(ctx, choice, choice.pending_ids, choice.pending_lps, text)
         choice.pending_ids, choice.pending_lps = [], []
         return logprobs
 
-    async def _deltas(self, stream: RequestStream,
-                      prompt_tokens: dict[str, int]) -> AsyncGenerator[tuple[RequestOutput, CompletionOutput], None]:
-        """Every choice delta of the stream; records each prompt's length; a failed choice raises."""
+    async def _deltas(self, ctx: ResponseContext, stream: RequestStream,
+                      prompts: dict[str, tuple[int, int]]) -> AsyncGenerator[tuple[RequestOutput, CompletionOutput], None]:
+        """Every choice delta of the stream; records each prompt's length, cached tokens and prompt
+        logprobs; a failed choice raises."""
         async with contextlib.aclosing(self.engine.stream_outputs(stream)) as outputs:
             async for request_output in outputs:
-                prompt_tokens[request_output.request_id] = len(request_output.prompt_token_ids)
+                cached = max(request_output.num_cached_tokens, prompts.get(request_output.request_id, (0, 0))[1])
+                prompts[request_output.request_id] = (len(request_output.prompt_token_ids), cached)
+                if request_output.prompt_logprobs is not None:
+                    ctx.prompt_logprobs[request_output.request_id] = request_output.prompt_logprobs
                 for completion in request_output.outputs:
                     check_finish(completion.finish_reason, completion.stop_reason)
-                    yield request_output, completion
+                    yield request_output, self.visible_completion(ctx, completion)
 
     async def _collect(self, ctx: ResponseContext, stream: RequestStream) -> JSONResponse:
+        resp = await self.collect_response(ctx, stream)
+        return JSONResponse(resp.model_dump(mode="json"))
+
+    async def collect_response(self, ctx: ResponseContext, stream: RequestStream) -> BaseModel:
+        """The whole response, once every choice has finished."""
         choices: dict[int, Choice] = {}
-        prompt_tokens: dict[str, int] = {}
-        async with contextlib.aclosing(self._deltas(stream, prompt_tokens)) as deltas:
+        prompts: dict[str, tuple[int, int]] = {}
+        async with contextlib.aclosing(self._deltas(ctx, stream, prompts)) as deltas:
             async for request_output, completion in deltas:
                 choice = choices.setdefault(self.choice_index(ctx, request_output, completion), self.new_choice())
+                choice.request_id = request_output.request_id
                 text = self.delta_text(ctx, choice, request_output, completion)
-                logprobs = self._take_logprobs(ctx, choice, completion, flush=True)
+                logprobs = self._take_logprobs(ctx, choice, completion, text, flush=True)
                 if logprobs is not None:
                     self.keep_logprobs(choice, logprobs)
                 choice.text += text
                 choice.num_tokens += len(completion.token_ids)
                 choice.finish_reason, choice.stop_reason = completion.finish_reason, completion.stop_reason
-        resp = self.response(ctx, sorted(choices.items()), _usage(prompt_tokens, choices))
-        return JSONResponse(resp.model_dump(mode="json"))
+        return self.response(ctx, sorted(choices.items()), self._usage(prompts, choices))
 
     async def _stream(self, ctx: ResponseContext, stream: RequestStream) -> AsyncGenerator[str, None]:
-        choices: dict[int, Choice] = {}
-        prompt_tokens: dict[str, int] = {}
         try:
-            for delta in self.first_deltas(ctx):
-                yield ctx.chunk([delta])
-            async with contextlib.aclosing(self._deltas(stream, prompt_tokens)) as deltas:
-                async for request_output, completion in deltas:
-                    index = self.choice_index(ctx, request_output, completion)
-                    choice = choices.setdefault(index, self.new_choice())
-                    choice.num_tokens += len(completion.token_ids)
-                    text = self.delta_text(ctx, choice, request_output, completion)
-                    logprobs = self._take_logprobs(ctx, choice, completion, flush=False)
-                    final = completion.finish_reason is not None
-                    body = self.delta_body(ctx, choice, text, final)
-                    if body is None and logprobs is None and not final:
-                        continue  # no empty deltas
-                    yield ctx.chunk([{
-                        "index": index, **(body if body is not None else self.EMPTY_BODY),
-                        "logprobs": None if logprobs is None else logprobs.model_dump(mode="json"),
-                        "finish_reason": self.finish_reason(ctx, choice, completion.finish_reason),
-                        "stop_reason": completion.stop_reason,
-                    }])
-            stream_options = ctx.req.stream_options
-            if stream_options is not None and stream_options.include_usage:
-                yield ctx.chunk([], _usage(prompt_tokens, choices))
+            async with contextlib.aclosing(self.chunks(ctx, stream)) as chunks:
+                async for chunk in chunks:
+                    yield sse(chunk)
         except Exception as e:  # after the 200 header an error can only be an event
             yield sse_error(e)
         yield SSE_DONE
 
+    async def chunks(self, ctx: ResponseContext, stream: RequestStream) -> AsyncGenerator[dict, None]:
+        """The streamed chunks' payloads, the usage chunk last when asked for; an error raises."""
+        choices: dict[int, Choice] = {}
+        prompts: dict[str, tuple[int, int]] = {}
+        stream_options = ctx.req.stream_options
+        include_usage = stream_options is not None and bool(stream_options.include_usage)
+        # vLLM's continuous_usage_stats: every chunk after the first output carries the usage so far.
+        continuous = include_usage and bool(stream_options.continuous_usage_stats)
+        for delta in self.first_deltas(ctx):
+            yield ctx.chunk([delta])
+        async with contextlib.aclosing(self._deltas(ctx, stream, prompts)) as deltas:
+            async for request_output, completion in deltas:
+                index = self.choice_index(ctx, request_output, completion)
+                choice = choices.setdefault(index, self.new_choice())
+                choice.request_id = request_output.request_id
+                choice.num_tokens += len(completion.token_ids)
+                text = self.delta_text(ctx, choice, request_output, completion)
+                logprobs = self._take_logprobs(ctx, choice, completion, text, flush=False)
+                final = completion.finish_reason is not None
+                body = self.delta_body(ctx, choice, text, final)
+                if body is None and logprobs is None and not final:
+                    continue  # no empty deltas
+                yield ctx.chunk([{
+                    "index": index, **(body if body is not None else self.EMPTY_BODY),
+                    "logprobs": None if logprobs is None else logprobs.model_dump(mode="json"),
+                    "finish_reason": self.finish_reason(ctx, choice, completion.finish_reason),
+                    "stop_reason": completion.stop_reason,
+                }], self._usage(prompts, choices) if continuous else None)
+        if include_usage:
+            yield ctx.chunk([], self._usage(prompts, choices))
 
-def _usage(prompt_tokens: dict[str, int], choices: dict[int, Choice]) -> dict:
-    return usage(sum(prompt_tokens.values()), sum(choice.num_tokens for choice in choices.values()))
+    def _usage(self, prompts: dict[str, tuple[int, int]], choices: dict[int, Choice]) -> dict:
+        out = usage(sum(n for n, _ in prompts.values()), sum(choice.num_tokens for choice in choices.values()))
+        if self.prompt_tokens_details:
+            out["prompt_tokens_details"] = {"cached_tokens": sum(cached for _, cached in prompts.values())}
+        return out

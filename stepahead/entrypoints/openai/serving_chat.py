@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
+from stepahead.engine.async_llm import RequestStream
 from stepahead.entrypoints.openai.errors import APIError
 from stepahead.entrypoints.openai.protocol import (
     ChatChoice,
@@ -28,14 +29,20 @@ from stepahead.entrypoints.openai.reasoning import REASONING_PARSERS
 from stepahead.entrypoints.openai.reasoning.base import ReasoningDelta, ReasoningStream
 from stepahead.entrypoints.openai.reasoning.base import split as split_reasoning
 from stepahead.entrypoints.openai.serving_base import Choice, OpenAIServing, ResponseContext
-from stepahead.entrypoints.openai.serving_utils import clamp, encode_ids, sampling_params_of, token_text
+from stepahead.entrypoints.openai.serving_utils import (
+    clamp,
+    encode_ids,
+    prompt_logprobs_json,
+    sampling_params_of,
+    token_text,
+)
 from stepahead.entrypoints.openai.template_sandbox import TemplateSandbox
 from stepahead.entrypoints.openai.token_bytes import TokenBytes
 from stepahead.entrypoints.openai.tool_calling.parsers.base import ToolCall, ToolStream, collect
 from stepahead.entrypoints.openai.tool_calling.streams import finish_reason, tool_stream
 from stepahead.entrypoints.openai.tool_calling.tools import ToolPlan, plan_tools
 from stepahead.outputs import LOGPROB_FLOOR, Logprob
-from stepahead.sampling_params import MAX_LOGPROBS, StructuredOutputsParams
+from stepahead.sampling_params import StructuredOutputsParams
 from stepahead.validation import InvalidInputError, shorten
 
 NO_TEMPLATE = ("As of transformers v4.44, default chat template is no longer allowed, so you must provide a "
@@ -136,14 +143,15 @@ def _flatten_content(message: ChatMessage, index: int) -> str:
     return "\n".join(texts)
 
 
-def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], top_n: int, decode,
+def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob] | None], top_n: int, decode,
                   raw_bytes: TokenBytes, as_ids: bool = False) -> ChatLogprobs:
     """as_ids: return_tokens_as_token_ids, tokens as "token_id:N" (bytes then those of that text, as vLLM)."""
     def token_bytes(token_id: int, text: str) -> list[int]:
         return list(text.encode()) if as_ids else list(raw_bytes(token_id))
 
     content = []
-    for token_id, entry in zip(token_ids, entries, strict=False):
+    for token_id, maybe_entry in zip(token_ids, entries, strict=False):
+        entry = maybe_entry or {}  # chat never echoes prompt tokens: every entry is a sampled token's
         sampled = entry.get(token_id)
         token = token_text(token_id, sampled, decode, as_ids)
         top: list[TopLogprob] = []
@@ -201,6 +209,11 @@ class OpenAIServingChat(OpenAIServing):
                                  if self.limits.trust_request_chat_template else None)
 
     async def create(self, req: ChatCompletionRequest, raw_request: Request) -> Response:
+        ctx, stream = await self.start(req)
+        return await self.respond(ctx, stream, raw_request)
+
+    async def start(self, req: ChatCompletionRequest) -> tuple[_ChatContext, RequestStream]:
+        """Check, render and submit the request; its output is then read through `collect_response` or `chunks`."""
         model_name = self.check_request(req)
         # Checking the tools' schemas grows with them: off the event loop.
         plan = await self.offload.run(plan_tools, req.tools, req.tool_choice, req.parallel_tool_calls,
@@ -208,7 +221,7 @@ class OpenAIServingChat(OpenAIServing):
             plan_tools(None, req.tool_choice, None, False)
         top_logprobs = self._top_logprobs(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = sampling_params_of(req, max_tokens, top_logprobs, self.generation_defaults)
+        params = sampling_params_of(req, max_tokens, top_logprobs, self.generation_defaults, req.prompt_logprobs)
         if plan is not None and plan.constrained:
             if params.structured_outputs is not None:
                 raise APIError(f"tool_choice {plan.mode!r} constrains the output itself: it cannot be combined with "
@@ -230,16 +243,20 @@ class OpenAIServingChat(OpenAIServing):
                                       self.template_sandbox, req.tools)
         prompt_ids = await self.offload.run(encode_ids, tokenizer, text, req.add_special_tokens)
         request_id = random_id("chatcmpl")
-        stream = self.add_request(req, request_id, {"prompt_token_ids": prompt_ids, "prompt": text}, params)
-        ctx = _ChatContext(request_id, model_name, int(time.time()), req, top_logprobs, "chat.completion.chunk",
+        try:
+            stream = self.add_request(req, request_id, {"prompt_token_ids": prompt_ids, "prompt": text}, params)
+        except InvalidInputError as e:
+            if e.param == "logprobs":  # chat's name for the count
+                raise APIError(f"top_{e}", 400, "top_logprobs") from None
+            raise
+        ctx = _ChatContext(request_id, model_name, int(time.time()), req, self.shown_logprobs(top_logprobs),
+                           "chat.completion.chunk",
                            tool_plan=plan, echo=_echoed(req),
                            reasoning_parser=None if _json_only(params) else self.reasoning_parser)
-        return await self.respond(ctx, stream, raw_request)
+        return ctx, stream
 
     @staticmethod
     def _top_logprobs(req: ChatCompletionRequest) -> int | None:
-        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
-            raise APIError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}", 400, "top_logprobs")
         if not req.logprobs:
             if req.top_logprobs:
                 raise APIError("top_logprobs requires logprobs to be true", 400, "top_logprobs")
@@ -291,7 +308,7 @@ class OpenAIServingChat(OpenAIServing):
         return finish_reason(ctx.tool_plan, choice.called, reason)
 
     def logprobs_of(self, ctx: ResponseContext, choice: Choice, token_ids: list[int],
-                    entries: list[dict[int, Logprob]], text: str) -> ChatLogprobs:
+                    entries: list[dict[int, Logprob] | None], text: str) -> ChatLogprobs:
         return chat_logprobs(token_ids, entries, ctx.top_logprobs, self.engine.tokenizer.decode, self.token_bytes,
                              bool(ctx.req.return_tokens_as_token_ids))
 
@@ -304,6 +321,8 @@ class OpenAIServingChat(OpenAIServing):
             id=ctx.request_id, created=ctx.created, model=ctx.model_name,
             choices=[self._choice(ctx, index, choice) for index, choice in choices],
             usage=UsageInfo(**usage_),
+            prompt_logprobs=prompt_logprobs_json(ctx.prompt_logprobs.get(ctx.request_id))
+            if ctx.req.prompt_logprobs is not None else None,
         )
 
     def _choice(self, ctx: _ChatContext, index: int, choice: _ChatChoice) -> ChatChoice:

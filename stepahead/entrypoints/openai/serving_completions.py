@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -19,7 +19,13 @@ from stepahead.entrypoints.openai.protocol import (
     random_id,
 )
 from stepahead.entrypoints.openai.serving_base import Choice, OpenAIServing, ResponseContext
-from stepahead.entrypoints.openai.serving_utils import clamp, encode_ids, sampling_params_of, token_text
+from stepahead.entrypoints.openai.serving_utils import (
+    clamp,
+    encode_ids,
+    prompt_logprobs_json,
+    sampling_params_of,
+    token_text,
+)
 from stepahead.outputs import CompletionOutput, Logprob, RequestOutput
 from stepahead.sampling_params import SamplingParams
 
@@ -33,23 +39,28 @@ class _CompletionChoice(Choice):
 
 @dataclass
 class _CompletionContext(ResponseContext):
-    prompt_index: dict[str, int]  # engine request id -> its prompt's position
+    prompt_index: dict[str, int] = field(default_factory=dict)  # engine request id -> its prompt's position
+    echo_only: bool = False  # echo with max_tokens 0: the prompt alone, one token sampled and not shown
 
 
-def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], top_n: int, offset: int,
+def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob] | None], top_n: int, offset: int,
                         decode, text: str, as_ids: bool = False) -> tuple[CompletionLogprobs, int]:
     """OpenAI's legacy form: tokens, token_logprobs, top_logprobs (top-N plus the sampled token).
 
     text is the returned text these tokens produced, starting at offset: each token's text_offset
     indexes it (the length of its predecessors' decoded text, never past the text's end, since a token
-    holding part of a character decodes to U+FFFD alone); returns the offset after text."""
+    holding part of a character decodes to U+FFFD alone); returns the offset after text. An entry
+    None (an echoed prompt's first token, which nothing predicts) has no logprob and no top list."""
     result = CompletionLogprobs()
     for j, (token_id, entry) in enumerate(zip(token_ids, entries, strict=False)):
-        sampled = entry.get(token_id)
+        sampled = entry.get(token_id) if entry is not None else None
         token = token_text(token_id, sampled, decode, as_ids)
         result.tokens.append(token)
         result.token_logprobs.append(clamp(sampled.logprob) if sampled is not None else None)
         result.text_offset.append(offset + min(len(decode(token_ids[:j])) if j else 0, len(text)))
+        if entry is None:
+            result.top_logprobs.append(None)
+            continue
         top = {}
         for other_id, other in sorted(entry.items(), key=lambda kv: kv[1].rank):
             if other.rank <= top_n or other_id == token_id:
@@ -65,9 +76,15 @@ class OpenAIServingCompletion(OpenAIServing):
         model_name = self.check_request(req)
         if req.suffix:
             raise APIError("suffix is not currently supported", 400, "suffix")
-        if req.echo and req.logprobs is not None:
-            raise APIError("echo together with logprobs is not supported (no prompt logprobs)", 400, "echo")
-        params = sampling_params_of(req, req.max_tokens, req.logprobs, self.generation_defaults)
+        if req.max_tokens == 0 and not req.echo:
+            raise APIError("max_tokens must be at least 1 (0 only with echo, which returns the prompt alone), got 0",
+                           400, "max_tokens")
+        echo_only = req.echo and req.max_tokens == 0
+        prompt_logprobs = req.prompt_logprobs
+        if req.echo and req.logprobs is not None:  # the echoed prompt's tokens carry logprobs too
+            prompt_logprobs = _wider(prompt_logprobs, req.logprobs)
+        params = sampling_params_of(req, 1 if echo_only else req.max_tokens, req.logprobs, self.generation_defaults,
+                                    prompt_logprobs)
         await self.check_grammar(req, params)
         prompts = _prompt_list(req)
         self.limits.check_sequences(len(prompts), req.n)
@@ -78,8 +95,9 @@ class OpenAIServingCompletion(OpenAIServing):
         request_id = random_id("cmpl")
         ids = [f"{request_id}-{index}" for index in range(len(prompts))]
         stream = self._submit(req, ids, prompts, params)
-        ctx = _CompletionContext(request_id, model_name, int(time.time()), req, req.logprobs, "text_completion",
-                                 prompt_index={rid: index for index, rid in enumerate(ids)})
+        ctx = _CompletionContext(request_id, model_name, int(time.time()), req, self.shown_logprobs(req.logprobs),
+                                 "text_completion",
+                                 prompt_index={rid: index for index, rid in enumerate(ids)}, echo_only=echo_only)
         return await self.respond(ctx, stream, raw_request)
 
     def _submit(self, req: CompletionRequest, ids: list[str], prompts: list, params: SamplingParams) -> RequestStream:
@@ -122,14 +140,25 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt = request_output.prompt
             if prompt is None:
                 prompt = self.engine.tokenizer.decode(request_output.prompt_token_ids)
+            if ctx.top_logprobs is not None:  # the prompt's tokens, with their prompt logprobs, come first
+                prompt_ids = request_output.prompt_token_ids
+                prompt_lps = ctx.prompt_logprobs.get(request_output.request_id) or [None] * len(prompt_ids)
+                choice.pending_ids[:0] = prompt_ids
+                choice.pending_lps[:0] = prompt_lps
             return prompt + completion.text
         return completion.text
+
+    def visible_completion(self, ctx: ResponseContext, completion: CompletionOutput) -> CompletionOutput:
+        if not (isinstance(ctx, _CompletionContext) and ctx.echo_only):
+            return completion
+        return CompletionOutput(completion.index, "", [], "length" if completion.finished() else None,
+                                logprobs=None if completion.logprobs is None else [])
 
     def delta_body(self, ctx: ResponseContext, choice: _CompletionChoice, text: str, final: bool) -> dict | None:
         return {"text": text} if text or final else None
 
     def logprobs_of(self, ctx: ResponseContext, choice: _CompletionChoice, token_ids: list[int],
-                    entries: list[dict[int, Logprob]], text: str) -> CompletionLogprobs:
+                    entries: list[dict[int, Logprob] | None], text: str) -> CompletionLogprobs:
         logprobs, choice.text_offset = completion_logprobs(token_ids, entries, ctx.top_logprobs, choice.text_offset,
                                                            self.engine.tokenizer.decode, text,
                                                            bool(ctx.req.return_tokens_as_token_ids))
@@ -146,10 +175,24 @@ class OpenAIServingCompletion(OpenAIServing):
         return CompletionResponse(
             id=ctx.request_id, created=ctx.created, model=ctx.model_name,
             choices=[CompletionChoice(index=index, text=choice.text, logprobs=choice.logprobs,
-                                      finish_reason=choice.finish_reason, stop_reason=choice.stop_reason)
+                                      finish_reason=choice.finish_reason, stop_reason=choice.stop_reason,
+                                      prompt_logprobs=self._prompt_logprobs(ctx, choice))
                      for index, choice in choices],
             usage=UsageInfo(**usage_),
         )
+
+    @staticmethod
+    def _prompt_logprobs(ctx: ResponseContext, choice: _CompletionChoice) -> list | None:
+        if ctx.req.prompt_logprobs is None:
+            return None
+        return prompt_logprobs_json(ctx.prompt_logprobs.get(choice.request_id))
+
+
+def _wider(a: int | None, b: int) -> int:
+    """The larger top-N of two (-1, the whole vocabulary, is the largest)."""
+    if a is None:
+        return b
+    return -1 if -1 in (a, b) else max(a, b)
 
 
 def _prompt_list(req: CompletionRequest) -> list:

@@ -66,10 +66,11 @@ class ServedModel:
 def reject_unsupported(req: SamplingFields) -> None:
     """Fields that would change the output but are not implemented: a 400, never a silent ignore."""
     for name, asked in (("use_beam_search", req.use_beam_search),
-                        ("prompt_logprobs", req.prompt_logprobs is not None),
                         ("return_token_ids", req.return_token_ids)):
         if asked:
             raise APIError(f"{name} is not supported by this server", 400, name)
+    if req.prompt_logprobs is not None and req.stream:
+        raise APIError("`prompt_logprobs` are not available when `stream=True`.", 400, "prompt_logprobs")
     if req.best_of is not None and req.best_of != req.n:
         raise APIError(f"best_of must equal n ({req.n}) (best-of sampling is not supported), got {req.best_of}",
                        400, "best_of")
@@ -119,7 +120,7 @@ def structured_outputs_of(req: SamplingFields) -> StructuredOutputsParams | None
 
 
 def sampling_params_of(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
-                       defaults: dict[str, Any]) -> SamplingParams:
+                       defaults: dict[str, Any], prompt_logprobs: int | None = None) -> SamplingParams:
     """Raises ValueError (a 400) naming the field and its range. Fields the request leaves unset take
     `defaults` (the model's generation_config.json), then vLLM's own defaults."""
     def pick(value: Any, name: str, fallback: Any) -> Any:
@@ -142,6 +143,7 @@ def sampling_params_of(req: SamplingFields, max_tokens: int | None, logprobs: in
         ignore_eos=req.ignore_eos,
         include_stop_str_in_output=req.include_stop_str_in_output,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=pick(req.repetition_penalty, "repetition_penalty", 1.0),
@@ -150,6 +152,7 @@ def sampling_params_of(req: SamplingFields, max_tokens: int | None, logprobs: in
         # SamplingParams makes the keys ints (refusing any that is not); the engine checks the ids.
         logit_bias=cast(dict[int, float] | None, req.logit_bias),
         allowed_token_ids=req.allowed_token_ids,
+        bad_words=req.bad_words,
     )
 
 
@@ -168,6 +171,16 @@ def check_finish(finish_reason: str | None, stop_reason: Any) -> None:
 
 def clamp(logprob: float) -> float:
     return max(logprob, LOGPROB_FLOOR)
+
+
+def prompt_logprobs_json(entries: list[dict[int, Logprob] | None] | None) -> list | None:
+    """vLLM's prompt_logprobs: per prompt token None (the first) or token id -> logprob, rank, decoded token."""
+    if entries is None:
+        return None
+    return [None if entry is None else
+            {str(token_id): {"logprob": clamp(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+             for token_id, lp in entry.items()}
+            for entry in entries]
 
 
 def token_text(token_id: int, logprob: Logprob | None, decode, as_id: bool = False) -> str:

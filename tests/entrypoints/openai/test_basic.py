@@ -15,6 +15,11 @@ REQUIRED_METRICS = [
     "stepahead:wasted_request_steps_total", "stepahead:host_utilization", "stepahead:gpu_utilization",
     "stepahead:time_to_first_token_seconds_count", "stepahead:inter_token_latency_seconds_count",
     "stepahead:e2e_request_latency_seconds_count",
+    # vLLM's request phases and parameters, and the engine steps' sizes.
+    "stepahead:iteration_tokens_total_count", "stepahead:request_queue_time_seconds_count",
+    "stepahead:request_prefill_time_seconds_count", "stepahead:request_decode_time_seconds_count",
+    "stepahead:request_inference_time_seconds_count", "stepahead:request_params_n_count",
+    "stepahead:request_params_max_tokens_count",
 ]
 
 
@@ -76,6 +81,17 @@ def test_metrics_move_when_requests_run(http, client):
     assert delta("stepahead:forward_steps_total") >= 7
     assert 0 < metric(after, "stepahead:host_utilization") <= 1
     assert 0 < metric(after, "stepahead:gpu_utilization") <= 1  # on CPU the host time again
+    for phase in ("queue", "prefill", "decode", "inference"):
+        assert delta(f"stepahead:request_{phase}_time_seconds_count") == 1, phase
+    assert 0 <= delta("stepahead:request_queue_time_seconds_sum") <= delta("stepahead:e2e_request_latency_seconds_sum")
+    assert delta("stepahead:request_inference_time_seconds_sum") == pytest.approx(
+        delta("stepahead:request_prefill_time_seconds_sum") + delta("stepahead:request_decode_time_seconds_sum"))
+    assert delta("stepahead:request_params_n_count") == 1 and delta("stepahead:request_params_max_tokens_sum") == 7
+    # Every computed token is in some step: the prompt once, and each output but the last fed back.
+    assert delta("stepahead:iteration_tokens_total_sum") >= out.usage.prompt_tokens + 6
+    assert delta("stepahead:iteration_tokens_total_count") == delta("stepahead:forward_steps_total")
+    assert metric(after, "stepahead:cache_config_info", block_size="16", enable_prefix_caching="True",
+                  num_gpu_blocks="127") == 1  # --num-kv-blocks 128, the null block aside
 
 
 @pytest.mark.parametrize("path", ["/health", "/metrics", "/version", "/v1/models"])

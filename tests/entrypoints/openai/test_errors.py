@@ -51,12 +51,18 @@ BAD_COMPLETIONS = [
     ({"allowed_token_ids": []}, "allowed_token_ids", "must not be empty"),
     # vLLM fields not implemented: refused by name rather than ignored.
     ({"use_beam_search": True}, "use_beam_search", "use_beam_search"),
-    ({"prompt_logprobs": 1}, "prompt_logprobs", "prompt_logprobs"),
-    ({"prompt_logprobs": 0}, "prompt_logprobs", "prompt_logprobs"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs", "prompt_logprobs must be at most 20"),
+    ({"prompt_logprobs": -2}, "prompt_logprobs", "prompt_logprobs must be -1 (the whole vocabulary) or >= 0"),
+    ({"logprobs": -1}, "logprobs", "logprobs must be at most 20, the engine's max_logprobs; -1 asks for the whole vocabulary, 2048 tokens"),
+    ({"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": "x"}}, "stream_options", ""),
+    ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs", "not available when `stream=True`"),
+    ({"max_tokens": 0}, "max_tokens", "0 only with echo"),
+    ({"bad_words": [""]}, "bad_words", "bad_words must be non-empty strings"),
+    ({"bad_words": ["w" * 4000] * 1000}, "bad_words", "bad_words"),
+    ({"echo": True, "logprobs": 21, "max_tokens": 0}, "logprobs", "logprobs must be at most 20"),
     ({"return_token_ids": True}, "return_token_ids", "return_token_ids"),
     ({"best_of": 2}, "best_of", "best_of"),
     ({"seed": 2**64}, "seed", ""),
-    ({"echo": True, "logprobs": 1}, "echo", "echo"),
     ({"response_format": {"type": "bogus"}}, "response_format", ""),
     # One check in the input processor, shared with the offline LLM; the param is the field the client sent.
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}},
@@ -135,7 +141,9 @@ def test_non_finite_numbers_are_refused(http, number):
      "tools", "unique"),
     ({"tool_choice": "auto"}, "tool_choice", "`tools` must be set"),
     ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice", "`tools` must be set"),
-    ({"prompt_logprobs": 2}, "prompt_logprobs", "prompt_logprobs"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs", "prompt_logprobs must be at most 20"),
+    ({"logprobs": True, "top_logprobs": -1}, "top_logprobs", "the whole vocabulary"),
+    ({"prompt_logprobs": 2, "stream": True}, "prompt_logprobs", "not available when `stream=True`"),
     ({"use_beam_search": True}, "use_beam_search", "use_beam_search"),
     ({"logit_bias": {"-1": 5}}, "logit_bias", "keys must be token ids"),
     ({"add_generation_prompt": True, "continue_final_message": True}, "continue_final_message", ""),
@@ -208,6 +216,8 @@ def test_accepted_variants(http):
                      {"logprobs": 20}, {"stop": "x"}, {"seed": -1}, {"user": "u1"}, {"n": 2, "best_of": 2},
                      {"min_tokens": 2}, {"max_tokens": None, "prompt": [5] * 505},
                      {"prompt_logprobs": None, "use_beam_search": False, "return_token_ids": False,
-                      "return_tokens_as_token_ids": False}, {"logit_bias": {}}, {"logit_bias": {"5": -100}}):
+                      "return_tokens_as_token_ids": False}, {"logit_bias": {}}, {"logit_bias": {"5": -100}},
+                     {"prompt_logprobs": 20}, {"echo": True, "logprobs": 0, "max_tokens": 0},
+                     {"bad_words": ["hello", "two words"]}):
         r = http.post("/v1/completions", json={**P, **override})
         assert r.status_code == 200, (override, r.text)

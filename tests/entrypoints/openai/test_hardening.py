@@ -36,6 +36,14 @@ HOSTILE = [
     # Refusals quote a short prefix of what they refuse (checked below), not megabytes.
     ("/v1/completions", {**COMPLETION, "stop": ["x" * 1000] * 999 + [""]}, 400, "stop"),
     ("/v1/completions", {**COMPLETION, "model": "m" * 100_000}, 404, "model"),
+    # The Responses API runs as a chat completion: the same refusals, naming its own fields.
+    ("/v1/responses", {"model": MODEL_NAME, "input": [{"role": "user", "content": "a" * (10 << 20)}]}, 400, "input"),
+    ("/v1/responses", {"model": MODEL_NAME, "input": [{"role": "user", "content": "hi"}] * 100_000}, 400, "input"),
+    ("/v1/responses", {"model": MODEL_NAME, "input": "hi", "text": {"format": {
+        "type": "json_schema", "name": "d", "schema": nested_objects(250)}}}, 400, "text"),
+    ("/v1/responses", {"model": MODEL_NAME, "input": "hi", "previous_response_id": "r" * 100_000}, 404,
+     "previous_response_id"),
+    ("/v1/completions", {**COMPLETION, "prompt_logprobs": 10**6}, 400, "prompt_logprobs"),
 ]
 
 
@@ -46,7 +54,14 @@ def test_hostile_request_is_refused_while_the_server_keeps_serving(server, http,
     def hostile() -> None:
         result["response"] = httpx.post(server.url + endpoint, json=body, timeout=120)
 
-    thread = threading.Thread(target=hostile)
+    _serve_meanwhile(http, hostile)
+    _check_error(result["response"], status, param)
+    assert len(result["response"].text) < 4096
+
+
+def _serve_meanwhile(http, work) -> None:
+    """Run work on a thread while health checks and small completions go on; they must stay quick."""
+    thread = threading.Thread(target=work)
     thread.start()
     health_s, completion_s = [], []
     while thread.is_alive() or not health_s:
@@ -57,10 +72,25 @@ def test_hostile_request_is_refused_while_the_server_keeps_serving(server, http,
         assert http.post("/v1/completions", json=COMPLETION).status_code == 200
         completion_s.append(time.monotonic() - started)
     thread.join()
-    _check_error(result["response"], status, param)
-    assert len(result["response"].text) < 4096
     # Generous bounds: they check that the event loop stayed free, not speed.
     assert max(health_s) < 1.0 and max(completion_s) < 5.0, (health_s, completion_s)
+
+
+def test_long_prompt_logprobs_keep_the_server_serving(server, http):
+    """A long prompt's logprobs at the most top-N (hundreds of positions, 21 entries each) are computed in
+    the prefill and decoded and serialized without holding the event loop."""
+    result: dict = {}
+    body = {**COMPLETION, "prompt": "word and more words " * 60, "max_tokens": 0, "echo": True, "logprobs": 20,
+            "prompt_logprobs": 20}
+
+    def scoring() -> None:
+        result["response"] = httpx.post(server.url + "/v1/completions", json=body, timeout=300)
+
+    _serve_meanwhile(http, scoring)
+    r = result["response"]
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert len(choice["prompt_logprobs"]) == len(choice["logprobs"]["tokens"]) > 300
 
 
 def test_body_over_the_limit_is_413(server):

@@ -153,3 +153,42 @@ def test_bad_tool_requests_are_400s(client, kw, param):
     with pytest.raises(openai.BadRequestError) as raised:
         client.chat.completions.create(model="x", messages=ASK, max_tokens=4, **kw)
     assert raised.value.body["param"] == param
+
+
+# -- the Responses API's function tools, on the same server ------------------------------------------------
+
+RESPONSES_TOOL = {"type": "function", "name": "get_weather", "description": "Weather in a city", "parameters": WEATHER}
+NAMED_RESPONSE_TOOL = {"type": "function", "name": "get_weather"}
+
+
+def test_responses_function_call_then_its_output(client):
+    r = client.responses.create(model="x", input="What is the weather in Paris?", tools=[RESPONSES_TOOL],
+                                tool_choice=NAMED_RESPONSE_TOOL, max_output_tokens=200, temperature=0)
+    (call,) = [item for item in r.output if item.type == "function_call"]
+    assert call.name == "get_weather" and call.status == "completed"
+    jsonschema.validate(json.loads(call.arguments), WEATHER)
+    follow = client.responses.create(model="x", previous_response_id=r.id, max_output_tokens=8, temperature=0,
+                                     input=[{"type": "function_call_output", "call_id": call.call_id,
+                                             "output": "sunny, 21 degrees"}])
+    chat = client.chat.completions.create(model="x", temperature=0, max_tokens=8, messages=[
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "sunny, 21 degrees"}])
+    assert follow.previous_response_id == r.id
+    assert follow.usage.input_tokens == chat.usage.prompt_tokens
+    assert follow.output_text == chat.choices[0].message.content
+
+
+def test_responses_function_call_streamed(client):
+    kw = dict(model="x", input="Is it raining in Oslo?", tools=[RESPONSES_TOOL], tool_choice=NAMED_RESPONSE_TOOL,
+              max_output_tokens=200, temperature=0)
+    (whole,) = [item for item in client.responses.create(**kw).output if item.type == "function_call"]
+    events = list(client.responses.create(**kw, stream=True))
+    types = [e.type for e in events]
+    assert types.index("response.output_item.added") < types.index("response.function_call_arguments.delta")
+    arguments = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert arguments == done.arguments == whole.arguments
+    (call,) = [item for item in events[-1].response.output if item.type == "function_call"]
+    assert call.name == whole.name == "get_weather" and call.arguments == whole.arguments
