@@ -1,0 +1,21 @@
+"""Speculative decoding's counters on /metrics, with vLLM's names under the stepahead: prefix."""
+
+from __future__ import annotations
+
+from prometheus_client import generate_latest
+
+from stepahead.entrypoints.openai.metrics import ServerMetrics
+from stepahead.outputs import EngineStats
+
+
+def test_acceptance_counters_and_per_position():
+    stats = EngineStats(spec_num_drafts=10, spec_num_draft_tokens=30, spec_num_accepted_tokens=16,
+                        spec_accepted_per_pos=[8, 5, 3])
+    text = generate_latest(ServerMetrics("m", 64, lambda: stats).registry).decode()
+    lines = set(text.splitlines())
+    assert 'stepahead:spec_decode_num_drafts_total{model_name="m"} 10.0' in lines
+    assert 'stepahead:spec_decode_num_draft_tokens_total{model_name="m"} 30.0' in lines
+    assert 'stepahead:spec_decode_num_accepted_tokens_total{model_name="m"} 16.0' in lines
+    for pos, n in enumerate([8, 5, 3]):
+        assert f'stepahead:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="{pos}"}} {n}.0' in lines
+    assert stats.spec_mean_accepted_length == 1 + 16 / 10 and stats.spec_acceptance_rate == 16 / 30
