@@ -147,9 +147,11 @@ class ModelRunner:
         self.eos_token_ids = [i for i in (model_config.eos_token_id, *model_config.extra_eos_token_ids) if i is not None]
         max_blocks_per_seq = cdiv(sched_config.max_model_len, cache_config.block_size)
         # Worst step: 6 per token (ids, positions, slots, prompt/generated row index, the decode kernel's
-        # keys per token and token-to-request index), block tables of every row, 6 per row.
-        capacity = (6 * sched_config.max_num_batched_tokens + 6 * sched_config.max_num_seqs + 1
-                    + 2 * sched_config.max_num_seqs * max_blocks_per_seq + STAGING_ALIGNMENT_SLACK)
+        # keys per token and token-to-request index), block tables of every row, 6 per row. A request
+        # verifying drafts is 1 + k attention rows.
+        max_rows = sched_config.max_num_seqs * (1 + sched_config.num_speculative_tokens)
+        capacity = (6 * sched_config.max_num_batched_tokens + 6 * max_rows + 1
+                    + 2 * max_rows * max_blocks_per_seq + STAGING_ALIGNMENT_SLACK)
         self.staging = StagingBuffer(capacity, self.device)
         if config.attention_backend == "triton":
             self.attention_backend = TritonBackend(self.block_size)
@@ -241,16 +243,18 @@ class ModelRunner:
 
     def _batch_order(self, scheduler_output: SchedulerOutput) -> tuple[list[str], int]:
         """Single-token rows first, shortest context first (attention pads them in groups of similar
-        length), then multi-token rows. Returns the order and the number of single-token rows."""
+        length), then multi-token rows. Returns the order and the number of single-token rows. A row
+        verifying drafts counts as single: it attends as one decode row per token."""
         num_scheduled = scheduler_output.num_scheduled_tokens
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         requests = self.requests
 
         def key(req_id: str) -> tuple[bool, int]:
-            single = num_scheduled[req_id] == 1
+            single = num_scheduled[req_id] == 1 + len(spec_tokens.get(req_id, ()))
             return (not single, requests[req_id].num_computed_tokens if single else 0)
 
         order = sorted(num_scheduled, key=key)
-        return order, sum(1 for req_id in order if num_scheduled[req_id] == 1)
+        return order, sum(1 for req_id in order if num_scheduled[req_id] == 1 + len(spec_tokens.get(req_id, ())))
 
     def _lay_out_tokens(self, order: list[str], num_decode_rows: int,
                         scheduler_output: SchedulerOutput) -> _TokenLayout:
@@ -306,7 +310,11 @@ class ModelRunner:
                 layout.logits_indices.extend(range(offset + num_new - 1 - len(drafts), offset + num_new))
                 if layout.sample_drafts is not None:
                     layout.sample_drafts.append(drafts)
-            layout.rows.append(BatchRow(offset, num_new, start, table))
+            if drafts:  # one decode row per token: each attends to the keys up to its own (all written first)
+                layout.rows.extend(BatchRow(offset + j, 1, start + j, table) for j in range(num_new))
+                layout.num_decode_rows += num_new - 1
+            else:
+                layout.rows.append(BatchRow(offset, num_new, start, table))
             offset += num_new
         return layout
 
@@ -319,7 +327,7 @@ class ModelRunner:
         staging.reset()
         order, num_decode_rows = self._batch_order(scheduler_output)
         layout = self._lay_out_tokens(order, num_decode_rows, scheduler_output)
-        staged_attention = self.attention_backend.stage(layout.rows, num_decode_rows, staging)
+        staged_attention = self.attention_backend.stage(layout.rows, layout.num_decode_rows, staging)
         host_logits_indices, logits_offset = staging.alloc(len(layout.logits_indices))
         host_logits_indices[:] = layout.logits_indices
         host_at, at_offset = staging.alloc(len(layout.substitute_at))
