@@ -14,10 +14,11 @@ import random
 import pytest
 
 from stepahead import LLM, SamplingParams
+from tests.engine.test_llm_equivalence import CONFIGS as EQUIVALENCE_CONFIGS
 from tests.tiny_models import hf_greedy
 
 MAX_TOKENS = 24
-MAX_MODEL_LEN = 160
+MAX_MODEL_LEN = 128
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
@@ -33,28 +34,25 @@ SEEDED = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.7, top_k=20, seed=
 PENALIZED = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, presence_penalty=0.3, frequency_penalty=0.2,
                            repetition_penalty=1.1, logprobs=2, min_tokens=MAX_TOKENS)
 
-CONFIGS = {
-    "async": {},
-    "sync": dict(async_scheduling=False),
-    "depth3": dict(max_concurrent_batches=3),
-    "preempt": dict(num_kv_blocks=12),
-    "preempt_sync": dict(num_kv_blocks=12, async_scheduling=False),
-    "chunked": dict(max_num_batched_tokens=8),
-    "chunked_sync": dict(max_num_batched_tokens=8, async_scheduling=False),
-    "no_prefix_cache": dict(enable_prefix_caching=False),
-    "mp": dict(executor="mp"),
-}
+# Every engine mode of the plain equivalence test that speculation runs in (it turns async outputs off).
+CONFIGS = {"async": {}} | {name: overrides for name, overrides in EQUIVALENCE_CONFIGS.items()
+                           if not overrides.get("async_output")}
+
+
+def _tokens_and_logprobs(output) -> tuple[list[int], list[dict[int, float]] | None]:
+    completion = output.outputs[0]
+    logprobs = None if completion.logprobs is None else \
+        [{i: v.logprob for i, v in lp.items()} for lp in completion.logprobs]
+    return completion.token_ids, logprobs
 
 
 def _run(model, **overrides):
-    kwargs = dict(executor="uni", max_model_len=MAX_MODEL_LEN) | overrides
-    with LLM(str(model), **kwargs) as llm:
+    """(greedy, seeded, penalized) outputs as (tokens, logprobs) per prompt, the stats and the config."""
+    with LLM(str(model), **(dict(executor="uni", max_model_len=MAX_MODEL_LEN) | overrides)) as llm:
         prompts = [{"prompt_token_ids": p} for p in _prompts()]
-        greedy = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
-        seeded = [o.outputs[0].token_ids for o in llm.generate(prompts, SEEDED, use_tqdm=False)]
-        penalized = [(o.outputs[0].token_ids, [{i: v.logprob for i, v in lp.items()} for lp in o.outputs[0].logprobs])
-                     for o in llm.generate(prompts, PENALIZED, use_tqdm=False)]
-        return greedy, seeded, penalized, llm.stats(), llm.config
+        results = tuple([_tokens_and_logprobs(o) for o in llm.generate(prompts, params, use_tqdm=False)]
+                        for params in (GREEDY, SEEDED, PENALIZED))
+        return results, llm.stats(), llm.config
 
 
 @pytest.fixture(scope="module")
@@ -68,19 +66,21 @@ def plain(tied):
 
 
 def test_plain_matches_transformers(tied, plain):
-    assert plain[0] == hf_greedy(tied, _prompts(), MAX_TOKENS)
+    assert [tokens for tokens, _ in plain[0][0]] == hf_greedy(tied, _prompts(), MAX_TOKENS)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_ngram_gives_the_plain_tokens(tied, plain, name):
-    greedy, seeded, penalized, stats, config = _run(tied, speculative_config=NGRAM, **CONFIGS[name])
+    results, stats, config = _run(tied, speculative_config=NGRAM, **CONFIGS[name])
     assert config.speculative_config is not None and config.scheduler_config.num_speculative_tokens == 3
-    assert greedy == plain[0]
-    assert seeded == plain[1]
-    assert [tokens for tokens, _ in penalized] == [tokens for tokens, _ in plain[2]]
-    for (_, logprobs), (_, base_logprobs) in zip(penalized, plain[2], strict=True):
-        assert [lp.keys() for lp in logprobs] == [lp.keys() for lp in base_logprobs]
-        assert logprobs == [pytest.approx(lp, abs=1e-4) for lp in base_logprobs]
+    for outputs, base in zip(results, plain[0], strict=True):  # greedy, seeded, penalized with logprobs
+        assert [tokens for tokens, _ in outputs] == [tokens for tokens, _ in base]
+        for (_, logprobs), (_, base_logprobs) in zip(outputs, base, strict=True):
+            if base_logprobs is None:
+                assert logprobs is None
+                continue
+            assert [lp.keys() for lp in logprobs] == [lp.keys() for lp in base_logprobs]
+            assert logprobs == [pytest.approx(lp, abs=1e-4) for lp in base_logprobs]
     # Drafts were verified and some accepted, counted per position (a later one only after the earlier).
     assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
     per_pos = stats.spec_accepted_per_pos
@@ -103,5 +103,25 @@ def test_drafts_save_steps(tied, plain):
         with LLM(str(tied), executor="uni", max_model_len=MAX_MODEL_LEN, **extra) as llm:
             (out,) = llm.generate(prompt, GREEDY, use_tqdm=False)
             steps[name] = (llm.stats().forward_steps, out.outputs[0].token_ids)
-    assert steps["ngram"][1] == steps["plain"][1] == plain[0][0]
+    assert steps["ngram"][1] == steps["plain"][1] == plain[0][0][0][0]
     assert steps["ngram"][0] < steps["plain"][0]
+
+
+def test_grammar_requests_draft_nothing_beside_drafting_ones(tied):
+    """A grammar request verifies no drafts (its drafts would need the grammar's check first) and gets
+    its plain output; the request beside it drafts as usual."""
+    from stepahead.sampling_params import StructuredOutputsParams
+
+    choices = ["alpha beta gamma", "delta epsilon"]
+    params = [SamplingParams(max_tokens=16, temperature=0.0,
+                             structured_outputs=StructuredOutputsParams(choice=choices)), GREEDY]
+    prompts = [{"prompt_token_ids": p} for p in _prompts()[:2]]
+    results = {}
+    for name, extra in (("plain", {}), ("ngram", dict(speculative_config=NGRAM))):
+        with LLM(str(tied), executor="uni", max_model_len=MAX_MODEL_LEN, **extra) as llm:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            results[name] = ([o.outputs[0].text for o in outs[:1]], [o.outputs[0].token_ids for o in outs])
+            stats = llm.stats()
+    assert results["ngram"] == results["plain"]
+    assert results["ngram"][0][0] in choices
+    assert stats.spec_num_accepted_tokens > 0

@@ -19,3 +19,18 @@ def test_acceptance_counters_and_per_position():
     for pos, n in enumerate([8, 5, 3]):
         assert f'stepahead:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="{pos}"}} {n}.0' in lines
     assert stats.spec_mean_accepted_length == 1 + 16 / 10 and stats.spec_acceptance_rate == 16 / 30
+
+
+def test_bench_serve_reads_the_run_acceptance_from_metrics():
+    from stepahead.bench import spec_counters
+
+    def scraped(stats):
+        return spec_counters.parse(generate_latest(ServerMetrics("m", 64, lambda: stats).registry).decode())
+
+    before = scraped(EngineStats(spec_num_drafts=4, spec_num_draft_tokens=12, spec_num_accepted_tokens=2))
+    after = scraped(EngineStats(spec_num_drafts=14, spec_num_draft_tokens=42, spec_num_accepted_tokens=22))
+    assert spec_counters.acceptance(before, after) == {"spec_num_drafts": 10, "spec_num_draft_tokens": 30,
+                                                       "spec_num_accepted_tokens": 20,
+                                                       "spec_mean_accepted_length": 3.0}
+    assert spec_counters.acceptance(before, before) is None  # no drafting in the run
+    assert spec_counters.parse("# nothing here\n") is None

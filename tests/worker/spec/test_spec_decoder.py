@@ -1,0 +1,81 @@
+"""The worker's verification keeps the target distribution, and drafting pauses where it misses."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from stepahead.config import SpeculativeConfig
+from stepahead.sampling_params import SamplingParams
+from stepahead.worker.request_state import CachedRequestState
+from stepahead.worker.sampling_metadata import RowSampling
+from stepahead.worker.spec.draft_track import FIRST_PAUSE_STEPS, MISSES_BEFORE_PAUSE, DraftTrack
+from stepahead.worker.spec.spec_decoder import SpecDecoder, VerifiedStep
+
+VOCAB = 6
+
+
+def _chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
+    """p-value of Pearson's chi-square test of counts against probs (df = categories - 1)."""
+    expected = probs * counts.sum()
+    stat = float(((counts - expected) ** 2 / expected).sum())
+    df = len(probs) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def test_random_rows_keep_the_target_distribution():
+    """One-hot drafts verified by the accept/resample rule: the first token is distributed as the
+    target's p0 whatever the draft, and the token after an accepted draft as p1."""
+    torch.manual_seed(0)
+    num, draft = 20000, 2
+    p0 = np.array([0.05, 0.15, 0.30, 0.10, 0.25, 0.15])
+    p1 = np.array([0.40, 0.05, 0.05, 0.20, 0.10, 0.20])
+    logits = torch.tensor(np.log(np.stack([p0, p1])), dtype=torch.float32).repeat(num, 1)
+    params = SamplingParams(temperature=1.0, max_tokens=8)
+    rows = [RowSampling(params, [1], [], []) for _ in range(num)]
+    decoder = SpecDecoder(SpeculativeConfig("ngram", 1), max_model_len=64)
+    step = decoder.sample_and_verify(logits, rows, [[draft]] * num)
+    first = np.array([tokens[0] for tokens in step.tokens])
+    second = np.array([tokens[1] for tokens in step.tokens if len(tokens) == 2])
+    assert all(len(t) == 1 or t[0] == draft for t in step.tokens)  # a second token only after acceptance
+    assert abs(len(second) / num - p0[draft]) < 0.02  # accepted with probability p0(draft)
+    assert _chi_square_p(np.bincount(first, minlength=VOCAB), p0) > 1e-3
+    assert _chi_square_p(np.bincount(second, minlength=VOCAB), p1) > 1e-3
+    # The test can fail: the same counts against a distribution off by a few points are refused.
+    assert _chi_square_p(np.bincount(first, minlength=VOCAB), np.roll(p0, 1)) < 1e-6
+
+
+def test_seeded_rows_give_the_undrafted_tokens():
+    """A seeded row's position j draws the uniform of output index n + j: with or without drafts, the same tokens."""
+    torch.manual_seed(1)
+    logits = torch.randn(4, 50)
+    params = SamplingParams(temperature=0.9, seed=1234, max_tokens=8)
+    decoder = SpecDecoder(SpeculativeConfig("ngram", 3), max_model_len=64)
+    alone = [decoder.sample_and_verify(logits[j:j + 1].clone(), [RowSampling(params, [1], [], [], 5 + j)], [[]])
+             .tokens[0][0] for j in range(4)]
+    drafted = decoder.sample_and_verify(logits.clone(), [RowSampling(params, [1], [], [], 5)], [alone[:3]])
+    assert drafted.tokens == [alone]
+
+
+def test_drafting_pauses_while_it_misses_and_resumes():
+    track = DraftTrack()
+    for _ in range(MISSES_BEFORE_PAUSE):
+        assert track.may_propose()
+        track.note_no_proposal()
+    assert track.paused
+    assert [track.may_propose() for _ in range(FIRST_PAUSE_STEPS)] == [False] * FIRST_PAUSE_STEPS
+    assert not track.paused and track.may_propose()
+    track.num_verifying = 2
+    track.note_verified(1)  # a hit resets the streak and the pause length
+    assert track.misses == 0 and track.next_pause == FIRST_PAUSE_STEPS
+
+
+def test_propose_reports_slots_and_rolls_back_rejections():
+    decoder = SpecDecoder(SpeculativeConfig("ngram", 2, prompt_lookup_min=1, prompt_lookup_max=2), max_model_len=64)
+    state = CachedRequestState("r", [5, 6, 7], [5, 6, 7, 5], [1], 6, SamplingParams(max_tokens=8))
+    drafts = decoder.step_drafts(state, [-1, -1])  # nothing proposed yet: padding, which counts for nothing
+    assert drafts == [5, 5] and state.draft.num_verifying == 0
+    out = decoder.propose([state], [drafts], VerifiedStep([[6]]))  # both drafts rejected, the target gave 6
+    assert state.token_ids == [5, 6, 7, 5, 6] and state.num_computed_tokens == 4
+    assert out.draft_token_ids == {"r": [7, 5]} and out.draft_slots == {"r": 2}
