@@ -6,6 +6,10 @@ missing, accepting nothing MISSES_BEFORE_PAUSE proposals in a row (a proposal th
 make counts as a miss), stops proposing for a pause of sampling steps, doubling up to MAX_PAUSE_STEPS
 each time it misses again right after one; a proposal that is accepted even in part ends the streak
 and resets the pause. While paused the worker asks the async scheduler for no draft slots.
+
+Between pauses the number of drafts follows what the request accepts: one more than the moving
+average of its accepted drafts (a step that accepted every draft counts one more than it verified,
+so a request that keeps hitting grows back to k), so positions that would be rejected are not paid for.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from dataclasses import dataclass, field
 MISSES_BEFORE_PAUSE = 3
 FIRST_PAUSE_STEPS = 8
 MAX_PAUSE_STEPS = 128
+ACCEPTED_AVERAGE_WEIGHT = 0.3  # of the latest step, in the moving average of accepted drafts
 
 
 @dataclass
@@ -24,13 +29,17 @@ class DraftTrack:
     misses: int = 0  # proposals in a row that accepted nothing
     paused_for: int = 0  # sampling steps left without proposing
     next_pause: int = FIRST_PAUSE_STEPS
+    accepted_average: float | None = None  # moving average of accepted drafts per verifying step; None: none yet
 
     def note_verified(self, num_accepted: int) -> None:
         """The current step accepted num_accepted drafts; it counts only where it verified proposals
         (async scheduling may have reserved slots the worker had nothing for, padding included)."""
         if self.num_verifying == 0:
             return
+        observed = num_accepted + (1 if num_accepted >= self.num_verifying else 0)
         self.num_verifying = 0
+        average = observed if self.accepted_average is None else self.accepted_average
+        self.accepted_average = (1 - ACCEPTED_AVERAGE_WEIGHT) * average + ACCEPTED_AVERAGE_WEIGHT * observed
         if num_accepted > 0:
             self.misses = 0
             self.next_pause = FIRST_PAUSE_STEPS
@@ -46,6 +55,15 @@ class DraftTrack:
             self.paused_for -= 1
             return False
         return True
+
+    def num_drafts(self, k: int) -> int:
+        """How many drafts to propose (and slots to ask for): 0 while paused, else 1 more than the
+        average accepted, at most k (k before any step has verified)."""
+        if self.paused:
+            return 0
+        if self.accepted_average is None:
+            return k
+        return max(1, min(k, round(self.accepted_average) + 1))
 
     @property
     def paused(self) -> bool:

@@ -134,11 +134,12 @@ class SpecDecoder:
             if state.sampling_params.structured_outputs is not None:
                 continue
             if track.may_propose():
-                track.drafts = self.proposer.propose(np.asarray(state.token_ids, dtype=np.int64)).tolist()
+                proposed = self.proposer.propose(np.asarray(state.token_ids, dtype=np.int64))
+                track.drafts = proposed[:track.num_drafts(k)].tolist()
                 if not track.drafts:
                     track.note_no_proposal()
             out.draft_token_ids[state.req_id] = list(track.drafts)
-            out.draft_slots[state.req_id] = 0 if track.paused else k
+            out.draft_slots[state.req_id] = track.num_drafts(k)
         return out
 
     @staticmethod

@@ -79,3 +79,20 @@ def test_propose_reports_slots_and_rolls_back_rejections():
     out = decoder.propose([state], [drafts], VerifiedStep([[6]]))  # both drafts rejected, the target gave 6
     assert state.token_ids == [5, 6, 7, 5, 6] and state.num_computed_tokens == 4
     assert out.draft_token_ids == {"r": [7, 5]} and out.draft_slots == {"r": 2}
+
+
+def test_draft_count_follows_what_the_request_accepts():
+    track = DraftTrack()
+    assert track.num_drafts(4) == 4  # nothing verified yet
+    for _ in range(8):
+        track.num_verifying = track.num_drafts(4)
+        track.note_verified(1)  # one draft accepted each step
+    assert track.num_drafts(4) == 2
+    for _ in range(8):
+        track.num_verifying = track.num_drafts(4)
+        track.note_verified(track.num_verifying)  # every draft accepted: grows back to k
+    assert track.num_drafts(4) == 4
+    for _ in range(MISSES_BEFORE_PAUSE):
+        track.num_verifying = 1
+        track.note_verified(0)
+    assert track.num_drafts(4) == 0  # paused: no slots asked for
