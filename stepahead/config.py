@@ -99,6 +99,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_min: int | None = None  # ngram: shortest and longest n-gram matched
     prompt_lookup_max: int | None = None
+    # No drafts while a step samples this many requests or more (where the forward pass is compute-bound,
+    # draft positions cost about what they save); None: always draft.
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         check_field(self.method in SPECULATIVE_METHODS, "speculative_config.method", self.method,
@@ -114,6 +117,9 @@ class SpeculativeConfig:
             self.prompt_lookup_min = self.prompt_lookup_max
         elif self.prompt_lookup_max is None:
             self.prompt_lookup_max = self.prompt_lookup_min
+        check_field(self.disable_by_batch_size is None
+                    or (isinstance(self.disable_by_batch_size, int) and self.disable_by_batch_size >= 1),
+                    "speculative_config.disable_by_batch_size", self.disable_by_batch_size, "must be an int >= 1")
         check_field(isinstance(self.prompt_lookup_min, int) and self.prompt_lookup_min >= 1,
                     "speculative_config.prompt_lookup_min", self.prompt_lookup_min, "must be an int >= 1")
         check_field(isinstance(self.prompt_lookup_max, int) and self.prompt_lookup_max >= (self.prompt_lookup_min or 1),

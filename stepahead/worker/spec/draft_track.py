@@ -59,7 +59,7 @@ class DraftTrack:
     def num_drafts(self, k: int) -> int:
         """How many drafts to propose (and slots to ask for): 0 while paused, else 1 more than the
         average accepted, at most k (k before any step has verified)."""
-        if self.paused:
+        if self.paused or k == 0:
             return 0
         if self.accepted_average is None:
             return k

@@ -63,6 +63,7 @@ class SpecDecoder:
         if config.method != "ngram":
             raise ValueError(f"speculative_config.method {config.method!r} has no proposer on the worker")
         self.num_speculative_tokens = config.num_speculative_tokens
+        self.disable_by_batch_size = config.disable_by_batch_size
         self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min or 1,
                                       config.prompt_lookup_max or 1, max_model_len)
 
@@ -124,7 +125,9 @@ class SpecDecoder:
         """Append each request's verified tokens, give back its rejected positions, and propose its
         next drafts (none for a grammar request: its drafts would need the grammar's check first)."""
         out = Proposals({}, {})
-        k = self.num_speculative_tokens
+        # A batch this large drafts nothing (speculative_config.disable_by_batch_size).
+        k = self.num_speculative_tokens if self.disable_by_batch_size is None or \
+            len(states) < self.disable_by_batch_size else 0
         for state, row_drafts, tokens in zip(states, drafts, step.tokens, strict=True):
             state.token_ids.extend(tokens)
             state.num_computed_tokens -= len(row_drafts) - (len(tokens) - 1)
@@ -133,7 +136,7 @@ class SpecDecoder:
             track.drafts = []
             if state.sampling_params.structured_outputs is not None:
                 continue
-            if track.may_propose():
+            if k and track.may_propose():
                 proposed = self.proposer.propose(np.asarray(state.token_ids, dtype=np.int64))
                 track.drafts = proposed[:track.num_drafts(k)].tolist()
                 if not track.drafts:

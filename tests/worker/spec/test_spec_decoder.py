@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from stepahead.config import SpeculativeConfig
@@ -96,3 +97,20 @@ def test_draft_count_follows_what_the_request_accepts():
         track.num_verifying = 1
         track.note_verified(0)
     assert track.num_drafts(4) == 0  # paused: no slots asked for
+
+
+def test_a_large_batch_drafts_nothing():
+    config = SpeculativeConfig("ngram", 2, prompt_lookup_min=1, prompt_lookup_max=2, disable_by_batch_size=2)
+    decoder = SpecDecoder(config, max_model_len=64)
+
+    def states(n):
+        return [CachedRequestState(f"r{i}", [5, 6, 7], [5, 6, 7, 5], [1], 4, SamplingParams(max_tokens=8))
+                for i in range(n)]
+
+    two = states(2)
+    out = decoder.propose(two, [[], []], VerifiedStep([[6], [6]]))
+    assert out.draft_token_ids == {"r0": [], "r1": []} and out.draft_slots == {"r0": 0, "r1": 0}
+    out = decoder.propose(states(1), [[]], VerifiedStep([[6]]))
+    assert out.draft_token_ids == {"r0": [7, 5]} and out.draft_slots == {"r0": 2}
+    with pytest.raises(ValueError, match="disable_by_batch_size must be an int >= 1"):
+        SpeculativeConfig("ngram", 2, disable_by_batch_size=0)
