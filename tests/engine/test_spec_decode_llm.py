@@ -125,3 +125,17 @@ def test_grammar_requests_draft_nothing_beside_drafting_ones(tied):
     assert results["ngram"] == results["plain"]
     assert results["ngram"][0][0] in choices
     assert stats.spec_num_accepted_tokens > 0
+
+
+def test_triton_backend_verifies_as_decode_rows(tied):
+    """The CUDA path's attention (through Triton's interpreter here): verifying rows attend as decode
+    rows there too, and give the plain tokens."""
+    prompts = [{"prompt_token_ids": p} for p in _prompts()[:2]]
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    tokens, accepted = {}, {}
+    for name, extra in (("plain", {}), ("ngram", dict(speculative_config=NGRAM))):
+        with LLM(str(tied), executor="uni", max_model_len=MAX_MODEL_LEN, attention_backend="triton", **extra) as llm:
+            tokens[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            accepted[name] = llm.stats().spec_num_accepted_tokens
+    assert tokens["ngram"] == tokens["plain"]
+    assert accepted["ngram"] > 0
