@@ -34,3 +34,30 @@ def test_bench_serve_reads_the_run_acceptance_from_metrics():
                                                        "spec_mean_accepted_length": 3.0}
     assert spec_counters.acceptance(before, before) is None  # no drafting in the run
     assert spec_counters.parse("# nothing here\n") is None
+
+
+def test_server_with_ngram_drafts_reports_acceptance(tiny_model_factory):
+    """`stepahead serve --speculative-config ...`: completions as without drafts, acceptance on /metrics."""
+    import httpx
+
+    from tests.entrypoints.openai.conftest import SERVER_ARGS
+    from tests.entrypoints.openai.server_utils import RemoteServer, metric, parse_metrics
+
+    tied = tiny_model_factory("llama", tie_word_embeddings=True)  # repeats itself: drafts hit
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}'
+    body = {"model": "tiny-llama", "prompt": [5, 6, 7, 8, 5, 6, 7, 8], "max_tokens": 16, "temperature": 0}
+    texts = {}
+    for name, extra in (("plain", []), ("ngram", ["--speculative-config", spec])):
+        srv = RemoteServer(tied, *SERVER_ARGS, *extra)
+        try:
+            with httpx.Client(base_url=srv.url, timeout=120) as http:
+                texts[name] = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+                metrics = parse_metrics(http.get("/metrics").text)
+        finally:
+            srv.stop()
+        accepted = metric(metrics, "stepahead:spec_decode_num_accepted_tokens_total")
+        assert (accepted > 0) == (name == "ngram")
+        if name == "ngram":  # one sample per draft position (none without speculation)
+            assert metric(metrics, "stepahead:spec_decode_num_accepted_tokens_per_pos_total") == accepted
+            assert metric(metrics, "stepahead:spec_decode_num_accepted_tokens_per_pos_total", position="2") >= 0
+    assert texts["ngram"] == texts["plain"]
