@@ -100,8 +100,8 @@ class ModelRunnerOutput:
     # them next step; the async one ignores them (the worker keeps its drafts and fills placeholders).
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # Per request id: how many draft positions the async scheduler should reserve after each sampling
-    # step (it schedules the drafts' positions before it has seen them); fewer than k, down to 0, while
-    # the request's drafts keep missing, so that drafting costs nothing when it does not hit.
+    # step (it schedules the drafts' positions before it has seen them): as many as the worker just
+    # proposed, 0 while the request's drafts keep missing, so that drafting costs little when it does not hit.
     draft_slots: dict[str, int] = field(default_factory=dict)
 
     @staticmethod

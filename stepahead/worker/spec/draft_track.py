@@ -5,7 +5,8 @@ scheduling the scheduler reserves them before the worker has proposed). A reques
 missing, accepting nothing MISSES_BEFORE_PAUSE proposals in a row (a proposal the proposer could not
 make counts as a miss), stops proposing for a pause of sampling steps, doubling up to MAX_PAUSE_STEPS
 each time it misses again right after one; a proposal that is accepted even in part ends the streak
-and resets the pause. While paused the worker asks the async scheduler for no draft slots.
+and resets the pause. The worker asks the async scheduler for as many draft slots as it just proposed
+(none while paused).
 
 Between pauses the number of drafts follows what the request accepts: one more than the moving
 average of its accepted drafts (a step that accepted every draft counts one more than it verified,
@@ -57,8 +58,8 @@ class DraftTrack:
         return True
 
     def num_drafts(self, k: int) -> int:
-        """How many drafts to propose (and slots to ask for): 0 while paused, else 1 more than the
-        average accepted, at most k (k before any step has verified)."""
+        """How many drafts to propose at most: 0 while paused, else 1 more than the average accepted,
+        at most k (k before any step has verified)."""
         if self.paused or k == 0:
             return 0
         if self.accepted_average is None:

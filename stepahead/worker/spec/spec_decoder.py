@@ -142,7 +142,7 @@ class SpecDecoder:
                 if not track.drafts:
                     track.note_no_proposal()
             out.draft_token_ids[state.req_id] = list(track.drafts)
-            out.draft_slots[state.req_id] = track.num_drafts(k)
+            out.draft_slots[state.req_id] = len(track.drafts)
         return out
 
     @staticmethod
