@@ -93,10 +93,12 @@ class SchedulerConfig:
             )
 
 
-# Proposer methods with vLLM's names; the worker runs none of them yet, so each is refused rather
-# than accepted and ignored.
+# Proposer methods with vLLM's names; those the worker cannot run yet are refused rather than
+# accepted and ignored.
 SPECULATIVE_METHODS = ("ngram", "draft_model", "suffix")
-SUPPORTED_SPECULATIVE_METHODS: tuple[str, ...] = ()
+SUPPORTED_SPECULATIVE_METHODS: tuple[str, ...] = ("ngram",)
+# vLLM's n-gram lengths when neither is given; when one is, the other takes its value.
+DEFAULT_PROMPT_LOOKUP = 5
 
 
 @dataclass
@@ -107,6 +109,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_min: int | None = None  # ngram: shortest and longest n-gram matched
     prompt_lookup_max: int | None = None
+    # No drafts while a step samples this many requests or more (where the forward pass is compute-bound,
+    # draft positions cost about what they save); None: always draft.
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         check_field(self.method in SPECULATIVE_METHODS, "speculative_config.method", self.method,
@@ -116,6 +121,20 @@ class SpeculativeConfig:
                     f"{', '.join(SUPPORTED_SPECULATIVE_METHODS) or 'none'})")
         check_field(isinstance(self.num_speculative_tokens, int) and self.num_speculative_tokens >= 1,
                     "speculative_config.num_speculative_tokens", self.num_speculative_tokens, "must be an int >= 1")
+        if self.prompt_lookup_min is None and self.prompt_lookup_max is None:
+            self.prompt_lookup_min = self.prompt_lookup_max = DEFAULT_PROMPT_LOOKUP
+        elif self.prompt_lookup_min is None:
+            self.prompt_lookup_min = self.prompt_lookup_max
+        elif self.prompt_lookup_max is None:
+            self.prompt_lookup_max = self.prompt_lookup_min
+        check_field(self.disable_by_batch_size is None
+                    or (isinstance(self.disable_by_batch_size, int) and self.disable_by_batch_size >= 1),
+                    "speculative_config.disable_by_batch_size", self.disable_by_batch_size, "must be an int >= 1")
+        check_field(isinstance(self.prompt_lookup_min, int) and self.prompt_lookup_min >= 1,
+                    "speculative_config.prompt_lookup_min", self.prompt_lookup_min, "must be an int >= 1")
+        check_field(isinstance(self.prompt_lookup_max, int) and self.prompt_lookup_max >= (self.prompt_lookup_min or 1),
+                    "speculative_config.prompt_lookup_max", self.prompt_lookup_max,
+                    f"must be an int >= prompt_lookup_min ({self.prompt_lookup_min})")
 
     @classmethod
     def from_user(cls, given: str | dict) -> SpeculativeConfig:
@@ -206,3 +225,6 @@ class EngineConfig:
     # The most logprobs (and prompt logprobs) per token a request may ask for; -1: no limit (vLLM's).
     max_logprobs: int = 20
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    # The drafting method and its settings; None: no speculative decoding (scheduler_config's
+    # num_speculative_tokens is then 0).
+    speculative_config: SpeculativeConfig | None = None

@@ -68,11 +68,28 @@ class EngineStats:
     num_total_blocks: int = 0
     finished_by_reason: dict[str, int] = field(default_factory=dict)
     device: str = "cpu"  # the worker's device type: "cuda" when gpu_busy_s is device time
+    # Speculative decoding (vLLM's counters): request-steps that verified drafts, drafts verified,
+    # drafts accepted, and per draft position how often it was accepted.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
 
     @property
     def times_device(self) -> bool:
         """Whether gpu_busy_s is the device's own time (CUDA events) rather than the host time again."""
         return device_time_measured(self.device)
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted drafts / verified drafts (0 without any)."""
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else 0.0
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens a drafting request-step delivers on average: 1 + its accepted drafts (vLLM's mean
+        acceptance length; 0 without any drafting step)."""
+        return 1 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
 
     @property
     def utilization(self) -> float:

@@ -110,6 +110,9 @@ class Request:
         # Drafts scheduled in steps whose output has not been processed, those scheduled before the
         # last preemption excepted; part of num_output_placeholders under async scheduling.
         self.num_in_flight_draft_tokens = 0
+        # How many draft positions the worker asks the async scheduler to reserve per step (fewer than
+        # k while the request's drafts keep missing); None: k.
+        self.num_draft_slots: int | None = None
         self.num_preemptions = 0
         self.num_cached_tokens = -1
         self.first_scheduled_time: float | None = None  # time.monotonic() of its first admission (metrics)

@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from stepahead.bench import spec_counters
+from stepahead.bench.copy_dataset import copy_heavy_requests
 from stepahead.bench.datasets import (
     SampleRequest,
     length_bounds,
@@ -218,6 +220,8 @@ def prompt_tokenizer(tokenizer_flag: str | None, model: str, root: str | None) -
 
 
 def build_requests(ns, tokenizer) -> list[SampleRequest]:
+    if ns.dataset_name == "copy":
+        return copy_heavy_requests(tokenizer, ns.num_prompts, ns.random_output_len, ns.seed)
     if ns.dataset_path:
         return load_jsonl_requests(ns.dataset_path, ns.num_prompts, ns.random_output_len, tokenizer)
     in_range = length_bounds(ns.random_input_len, ns.random_range_ratio)
@@ -241,7 +245,7 @@ def validate(ns) -> None:
         raise ValueError(f"burstiness must be > 0, got {ns.burstiness}")
     if ns.dataset_name == "jsonl" and not ns.dataset_path:
         raise ValueError("dataset_name jsonl needs --dataset-path")
-    if ns.prompt_format == "token-ids" and ns.endpoint == "/v1/chat/completions":
+    if (ns.prompt_format == "token-ids" or ns.dataset_name == "copy") and ns.endpoint == "/v1/chat/completions":
         raise ValueError("prompt_format token-ids needs endpoint /v1/completions (chat messages are text)")
     unknown = [metric for metric in ns.percentile_metrics.split(",") if metric not in METRICS]
     if unknown:
@@ -265,9 +269,15 @@ def main(ns: argparse.Namespace) -> int:
     print(f"Traffic request rate: {ns.request_rate}; burstiness: {ns.burstiness}; "
           f"maximum request concurrency: {ns.max_concurrency}")
     gaps = arrival_gaps(len(requests), ns.request_rate, ns.burstiness, ns.seed)
+    counters_before = spec_counters.scrape(base_url, headers)
     results, duration = asyncio.run(run_requests(ns, url, model, requests, headers, gaps, not ns.disable_tqdm))
     metrics = compute_metrics(results, duration, percentiles, selected)
     print(format_result(metrics, ns.max_concurrency, ns.request_rate, percentiles, selected))
+    spec = spec_counters.acceptance(counters_before, spec_counters.scrape(base_url, headers))
+    if spec is not None:  # the server drafts: its acceptance over this run
+        metrics.update(spec)
+        print(f"Speculative decoding: {spec['spec_num_accepted_tokens']:.0f} of {spec['spec_num_draft_tokens']:.0f} "
+              f"drafts accepted, mean accepted length {spec['spec_mean_accepted_length']:.2f}")
     errors = [result.error for result in results if not result.success]
     if errors:
         print(f"first error: {errors[0]}")
@@ -309,8 +319,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="local folder, .gguf file or cached model id for building prompts (default: the served "
                         "model's, found by its name or its root in /v1/models)")
     g = p.add_argument_group("dataset")
-    g.add_argument("--dataset-name", default="random", choices=["random", "jsonl"],
-                   help="random prompts, or jsonl (with --dataset-path)")
+    g.add_argument("--dataset-name", default="random", choices=["random", "jsonl", "copy"],
+                   help="random prompts, jsonl (with --dataset-path), or copy: prompts whose answers copy from "
+                        "them, as token ids (bench/copy_dataset.py; output budget --random-output-len)")
     g.add_argument("--dataset-path", default=None, help="JSONL: one {\"prompt\" | \"prompt_token_ids\", "
                    "\"output_len\"?} a line (implies --dataset-name jsonl)")
     g.add_argument("--num-prompts", type=int, default=1000)

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from stepahead.bench.copy_dataset import copy_heavy_requests
 from stepahead.bench.datasets import SampleRequest, load_jsonl_requests, random_token_requests
 from stepahead.bench.report import (
     TokenRates,
@@ -50,12 +51,19 @@ class RunResult(TokenRates):
     preemptions: int
     stop_finishes: int  # requests finished by EOS or a stop token
     round: int = 0
+    spec_num_drafts: int = 0  # request-steps that verified drafts (speculative decoding)
+    spec_num_accepted_tokens: int = 0
     device: str = "cpu"  # where gpu_busy_s is the host time again (CPU), only host utilization is printed
     events: list[TraceEvent] = field(default_factory=list, repr=False)  # the run's trace, when recorded
 
     @property
     def host_utilization(self) -> float:
         return self.busy_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per drafting request-step: 1 + accepted drafts (0 without speculation)."""
+        return 1 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
 
     @property
     def gpu_utilization(self) -> float:
@@ -65,7 +73,7 @@ class RunResult(TokenRates):
         figures = {name: value for name, value in dataclasses.asdict(self).items() if name != "events"}
         figures.update(output_tok_s=self.output_tok_s, total_tok_s=self.total_tok_s,
                        host_utilization=self.host_utilization, gpu_utilization=self.gpu_utilization,
-                       requests_per_s=self.num_requests / self.elapsed_s)
+                       requests_per_s=self.num_requests / self.elapsed_s, mean_accepted_length=self.mean_accepted_length)
         return figures
 
     def utilization_text(self, digits: int = 1) -> str:
@@ -82,20 +90,24 @@ class RunResult(TokenRates):
         waste = f"wasted request-steps {self.wasted_request_steps}"
         if self.stop_finishes:
             waste += f" ({self.wasted_request_steps / self.stop_finishes:.2f} per EOS finish)"
+        spec = f", mean accepted length {self.mean_accepted_length:.2f}" if self.spec_num_drafts else ""
         return (f"[{self.label}] {self.num_requests} requests, {self.prompt_tokens} prompt + {self.output_tokens} "
                 f"output tokens in {self.elapsed_s:.2f} s: output {self.output_tok_s:.1f} tok/s, total "
                 f"{self.total_tok_s:.1f} tok/s | {self.utilization_text()}, forward steps "
-                f"{self.forward_steps}, {waste}, preemptions {self.preemptions}")
+                f"{self.forward_steps}, {waste}, preemptions {self.preemptions}{spec}")
 
 
 # -- engines --------------------------------------------------------------------------------------------
 
 
-def make_llm(engine_args: EngineArgs, async_scheduling: bool | None, trace: bool):
-    """An LLM from the CLI's engine args with the scheduler mode (and tracing) forced."""
+def make_llm(engine_args: EngineArgs, async_scheduling: bool | None, trace: bool, speculative: bool = True):
+    """An LLM from the CLI's engine args with the scheduler mode (and tracing) forced; without
+    speculative decoding when not `speculative`."""
     from stepahead.engine.llm import LLM
 
     changes: dict = {"trace": trace or engine_args.trace}
+    if not speculative:
+        changes["speculative_config"] = None
     if async_scheduling is not None:
         changes["async_scheduling"] = async_scheduling
         if not async_scheduling:
@@ -118,8 +130,11 @@ def drain_events(llm) -> list[TraceEvent]:
 
 
 def workload(llm, ns) -> list[SampleRequest]:
-    """Random token ids (nano-vllm's protocol), or --dataset-path prompts turned into token ids."""
+    """Random token ids (nano-vllm's protocol), the copy-heavy prompts (--dataset copy), or
+    --dataset-path prompts turned into token ids."""
     tokenizer = llm.get_tokenizer()
+    if getattr(ns, "dataset", "random") == "copy":
+        return copy_heavy_requests(tokenizer, ns.num_prompts, ns.output_len[1], ns.seed)
     if getattr(ns, "dataset_path", None):
         rows = load_jsonl_requests(ns.dataset_path, ns.num_prompts, ns.output_len[1], tokenizer)
         # Token ids for every engine alike; the text may hold a chat template's special tokens.
@@ -166,6 +181,8 @@ def run_once(llm, label: str, requests: list[SampleRequest], params, use_tqdm: b
         busy_s=after.busy_s - before.busy_s, gpu_busy_s=after.gpu_busy_s - before.gpu_busy_s, wall_s=after.wall_s - before.wall_s,
         preemptions=after.preemptions - before.preemptions, stop_finishes=stops,
         round=round_index, device=after.device, events=drain_events(llm),
+        spec_num_drafts=after.spec_num_drafts - before.spec_num_drafts,
+        spec_num_accepted_tokens=after.spec_num_accepted_tokens - before.spec_num_accepted_tokens,
     )
 
 
@@ -187,10 +204,25 @@ def run_single(ns, engine_args: EngineArgs, tracing: bool) -> dict:
 
 
 def run_compare_sync(ns, engine_args: EngineArgs, tracing: bool) -> dict:
-    engines = {"async": make_llm(engine_args, True, tracing)}
+    return run_compare(ns, {"async": lambda: make_llm(engine_args, True, tracing),
+                            "sync": lambda: make_llm(engine_args, False, tracing)})
+
+
+def run_compare_nospec(ns, engine_args: EngineArgs, tracing: bool) -> dict:
+    if engine_args.speculative_config is None:
+        raise ValueError("--compare nospec needs --speculative-config")
+    return run_compare(ns, {"spec": lambda: make_llm(engine_args, None, tracing),
+                            "nospec": lambda: make_llm(engine_args, None, tracing, speculative=False)})
+
+
+def run_compare(ns, makers: dict[str, Any]) -> dict:
+    """Two engines (the first measured against the second) in alternating rounds on the same requests."""
+    first, second = makers
+    engines: dict[str, Any] = {}
     try:
-        engines["sync"] = make_llm(engine_args, False, tracing)
-        requests = workload(engines["async"], ns)
+        for label, make in makers.items():
+            engines[label] = make()
+        requests = workload(engines[first], ns)
         params = sampling_params(requests, ns.temperature, ns.ignore_eos)
         for llm in engines.values():
             warm_up(llm, requests)
@@ -203,16 +235,16 @@ def run_compare_sync(ns, engine_args: EngineArgs, tracing: bool) -> dict:
                 print(f"stopping after {round_index} of {ns.rounds} rounds: another would pass --time-budget "
                       f"{ns.time_budget:g} s")
                 break
-            # Alternate which mode goes first so slow drift of a shared machine hits both alike.
-            order = ("async", "sync") if round_index % 2 == 0 else ("sync", "async")
-            pair = {mode: run_once(engines[mode], mode, requests, params, ns.progress, round_index + 1)
-                    for mode in order}
-            runs += [pair["sync"], pair["async"]]
-            ratios.append(pair["async"].output_tok_s / pair["sync"].output_tok_s)
+            # Alternate which engine goes first so slow drift of a shared machine hits both alike.
+            order = (first, second) if round_index % 2 == 0 else (second, first)
+            pair = {label: run_once(engines[label], label, requests, params, ns.progress, round_index + 1)
+                    for label in order}
+            runs += [pair[second], pair[first]]
+            ratios.append(pair[first].output_tok_s / pair[second].output_tok_s)
             print(f"round {round_index + 1}/{ns.rounds}", flush=True)
-            print("  " + pair["sync"].line())
-            print("  " + pair["async"].line())
-            print(f"  async / sync output throughput: {ratios[-1]:.3f}")
+            print("  " + pair[second].line())
+            print("  " + pair[first].line())
+            print(f"  {first} / {second} output throughput: {ratios[-1]:.3f}")
     finally:
         for llm in engines.values():
             llm.shutdown()
@@ -224,18 +256,19 @@ def run_compare_sync(ns, engine_args: EngineArgs, tracing: bool) -> dict:
             "gpu_utilization_median": statistics.median(run.gpu_utilization for run in runs if run.label == mode),
             "wasted_request_steps": [run.wasted_request_steps for run in runs if run.label == mode],
             "preemptions": [run.preemptions for run in runs if run.label == mode],
+            "mean_accepted_length": [run.mean_accepted_length for run in runs if run.label == mode],
         }
-        for mode in ("sync", "async")
+        for mode in (second, first)
     }
     summary["ratios"] = ratios
     summary["rounds_run"] = len(ratios)
     summary["ratio_median"] = statistics.median(ratios)
     # On CPU the two figures are the same time: the host one alone is printed.
     side, name = ("gpu", "GPU utilization") if device_time_measured(runs[0].device) else ("host", "host utilization")
-    print(f"median over {len(ratios)} rounds: sync {summary['sync']['output_tok_s_median']:.1f} tok/s "
-          f"({name} {summary['sync'][f'{side}_utilization_median']:.1%}), async "
-          f"{summary['async']['output_tok_s_median']:.1f} tok/s ({name} "
-          f"{summary['async'][f'{side}_utilization_median']:.1%}); async / sync = {summary['ratio_median']:.3f}")
+    print(f"median over {len(ratios)} rounds: {second} {summary[second]['output_tok_s_median']:.1f} tok/s "
+          f"({name} {summary[second][f'{side}_utilization_median']:.1%}), {first} "
+          f"{summary[first]['output_tok_s_median']:.1f} tok/s ({name} "
+          f"{summary[first][f'{side}_utilization_median']:.1%}); {first} / {second} = {summary['ratio_median']:.3f}")
     return {"runs": runs, "summary": summary}
 
 
@@ -294,6 +327,8 @@ def add_workload_args(parser: argparse.ArgumentParser, num_prompts: int, input_l
                    help=f"prompt length range in tokens, uniform (default: {input_len})")
     g.add_argument("--output-len", type=_range, default=_range(output_len), metavar="MIN:MAX",
                    help=f"output length range in tokens, uniform (default: {output_len})")
+    g.add_argument("--dataset", choices=["random", "copy"], default="random",
+                   help="random token ids, or copy: prompts whose answers copy from them (bench/copy_dataset.py)")
     g.add_argument("--dataset-path", default=None, metavar="FILE.jsonl",
                    help="prompts from JSONL ({\"prompt\" | \"prompt_token_ids\", \"output_len\"?} a line; "
                         "output_len defaults to the --output-len maximum) instead of random token ids")
@@ -316,8 +351,9 @@ def add_output_args(parser: argparse.ArgumentParser) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_args(parser, num_prompts=64, input_len="32:256", output_len="32:256")
     g = parser.add_argument_group("comparison")
-    g.add_argument("--compare", choices=["sync", "transformers"], default=None,
-                   help="sync: async vs sync scheduler, alternating; transformers: generate and generate_batch")
+    g.add_argument("--compare", choices=["sync", "nospec", "transformers"], default=None,
+                   help="sync: async vs sync scheduler, alternating; nospec: --speculative-config vs without it, "
+                        "alternating; transformers: generate and generate_batch")
     g.add_argument("--rounds", type=int, default=3, help="rounds of --compare sync (default: %(default)s)")
     g.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
                    help="--compare sync: start no round that would end past this many seconds of rounds")
@@ -364,7 +400,7 @@ def emit_outputs(ns, kind: str, engine_args: EngineArgs, result: dict) -> None:
 
 
 def _workload_dict(ns) -> dict:
-    keys = ("num_prompts", "dataset_path", "input_len", "output_len", "temperature", "ignore_eos", "seed", "compare",
+    keys = ("num_prompts", "dataset", "dataset_path", "input_len", "output_len", "temperature", "ignore_eos", "seed", "compare",
             "rounds")
     return {key: getattr(ns, key) for key in keys if hasattr(ns, key)}
 
@@ -380,6 +416,8 @@ def main(ns: argparse.Namespace) -> int:
     tracing = bool(ns.trace_file or ns.plot)
     if ns.compare == "sync":
         result = run_compare_sync(ns, engine_args, tracing)
+    elif ns.compare == "nospec":
+        result = run_compare_nospec(ns, engine_args, tracing)
     elif ns.compare == "transformers":
         result = run_compare_transformers(ns, engine_args, tracing)
     else:

@@ -45,13 +45,18 @@ class AsyncScheduler(Scheduler):
             # "Draft tokens as placeholders").
             req.num_output_placeholders += self.num_sampled_tokens_per_step + len(spec_tokens.get(rid, ()))
             if num_spec and not req.use_structured_output:
-                # The worker proposes k drafts after this step's sample and keeps them; the next
-                # step reserves their positions without knowing their ids.
-                req.spec_token_ids = [-1] * num_spec
+                # The worker proposes up to k drafts after this step's sample and keeps them; the next
+                # step reserves their positions without knowing their ids (as many as the worker
+                # last asked for: none while its drafts for the request keep missing).
+                slots = num_spec if req.num_draft_slots is None else min(num_spec, req.num_draft_slots)
+                req.spec_token_ids = [-1] * slots
         scheduler_output.pending_structured_output_tokens |= pending
 
-    def _update_draft_token_ids(self, req: Request, draft_token_ids: list[int] | None) -> None:
-        pass  # the drafts stay on the worker; spec_token_ids holds their placeholders
+    def _update_draft_token_ids(self, req: Request, draft_token_ids: list[int] | None,
+                                draft_slots: int | None = None) -> None:
+        # The drafts stay on the worker; spec_token_ids holds their placeholders, as many as it asks for.
+        if draft_slots is not None:
+            req.num_draft_slots = draft_slots
 
     def _update_request_with_output(
         self, request: Request, new_token_ids: list[int], is_stale: bool = False

@@ -110,6 +110,10 @@ class ModelRunnerOutput:
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # Per request id that asked for prompt logprobs and computed prompt positions this step.
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+    # Per request id: how many draft positions the async scheduler should reserve after each sampling
+    # step (it schedules the drafts' positions before it has seen them): as many as the worker just
+    # proposed, 0 while the request's drafts keep missing, so that drafting costs little when it does not hit.
+    draft_slots: dict[str, int] = field(default_factory=dict)
 
     @staticmethod
     def empty() -> ModelRunnerOutput:

@@ -95,9 +95,13 @@ class Scheduler:
         self.num_preemptions = 0
         # Step slots computed for requests that had already finished (outputs discarded).
         self.num_wasted_request_steps = 0
-        # Drafts verified and accepted, over every delivered output (vLLM's spec-decode counters).
+        # Drafts verified and accepted, over every delivered output (vLLM's spec-decode counters):
+        # num_drafts counts the request-steps that verified any; per position j, how often the j-th
+        # draft of a step was accepted.
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        self.num_drafts = 0
+        self.num_accepted_tokens_per_pos = [0] * self.num_spec_tokens
         # Finished requests with steps still in flight: id -> their in-flight tokens. Lets those
         # steps' outputs be discarded even if the same id is re-added meanwhile.
         self.finished_in_flight_tokens: dict[str, int] = {}
@@ -384,7 +388,8 @@ class Scheduler:
                     req.status = RequestStatus.FINISHED_STOPPED
                     stopped = True
             if not stopped and not is_stale and self.num_spec_tokens:
-                self._update_draft_token_ids(req, model_runner_output.draft_token_ids.get(rid))
+                self._update_draft_token_ids(req, model_runner_output.draft_token_ids.get(rid),
+                                             model_runner_output.draft_slots.get(rid))
             finish_reason = None
             if stopped:
                 finish_reason = req.get_finished_reason()
@@ -416,6 +421,9 @@ class Scheduler:
         nothing: preemption reset the counters."""
         self.num_draft_tokens += num_drafts
         self.num_accepted_tokens += num_accepted
+        self.num_drafts += 1
+        for pos in range(num_accepted):  # the j-th draft is accepted only with every one before it
+            self.num_accepted_tokens_per_pos[pos] += 1
         if is_stale:
             return
         num_rejected = num_drafts - num_accepted
@@ -423,10 +431,11 @@ class Scheduler:
         if self.uses_placeholders:
             req.num_output_placeholders -= num_rejected
 
-    def _update_draft_token_ids(self, req: Request, draft_token_ids: list[int] | None) -> None:
+    def _update_draft_token_ids(self, req: Request, draft_token_ids: list[int] | None,
+                                draft_slots: int | None = None) -> None:
         """Keep the worker's proposals for the request's next step (synchronous scheduling; the async
-        scheduler overrides this: its worker keeps the drafts). Grammar requests draft nothing: their
-        drafts would need the grammar's check first."""
+        scheduler overrides this: its worker keeps the drafts and says how many slots to reserve).
+        Grammar requests draft nothing: their drafts would need the grammar's check first."""
         if draft_token_ids and not req.use_structured_output:
             req.spec_token_ids = list(draft_token_ids[:self.num_spec_tokens])
 

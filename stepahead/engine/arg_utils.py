@@ -106,7 +106,7 @@ class EngineArgs:
            "scheduling)")
     speculative_config: str | dict | None = _arg(
         None, "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
-              "(no method is supported yet: each is refused)")
+              "(method ngram; prompt_lookup_min/max as vLLM's)")
     distributed_executor_backend: str | None = _arg(
         None, "how worker ranks run: 'mp' (processes on this machine), 'ray' (a Ray cluster's nodes; pip install "
               "'stepahead[ray]'), 'uni' (one worker thread); overrides --executor (default: --executor, mp)")
@@ -124,9 +124,13 @@ class EngineArgs:
                     "max_concurrent_batches", self.max_concurrent_batches, "must be >= 1")
         check_field(self.distributed_executor_backend in (None, "mp", "ray", "uni"), "distributed_executor_backend",
                     self.distributed_executor_backend, "must be one of mp, ray, uni")
+        world_size = self.parallel_config().world_size
         if self.speculative_config is not None:
             SpeculativeConfig.from_user(self.speculative_config)  # refuses what the worker cannot run
-        world_size = self.parallel_config().world_size
+            # The other ranks would need each step's drafts and accepted counts, which only the sampler has.
+            check_field(world_size == 1, "speculative_config", self.speculative_config,
+                        f"runs on one worker rank; tensor_parallel_size={self.tensor_parallel_size} x "
+                        f"pipeline_parallel_size={self.pipeline_parallel_size} is not supported with it")
         check_field(world_size == 1 or self.resolve_executor() != "uni", "distributed_executor_backend",
                     "uni", f"runs one worker in the engine process; tensor_parallel_size={self.tensor_parallel_size} x "
                            f"pipeline_parallel_size={self.pipeline_parallel_size} ranks need mp or ray")
@@ -217,12 +221,14 @@ class EngineArgs:
             trace=self.trace,
             attention_backend=attention_backend,
             enforce_eager=self.enforce_eager,
-            # One rank only: with more, outputs come back from the sampler rank synchronously.
+            # One rank only: with more, outputs come back from the sampler rank synchronously. Not with
+            # drafts either: the proposer reads each step's verified tokens on the host.
             async_output=(device == "cuda" if self.async_output is None else self.async_output)
-            and parallel_config.world_size == 1,
+            and parallel_config.world_size == 1 and spec is None,
             structured_outputs_backend=self.structured_outputs_backend,
             max_logprobs=self.max_logprobs,
             parallel_config=parallel_config,
+            speculative_config=spec,
         )
 
 

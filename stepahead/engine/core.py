@@ -322,6 +322,10 @@ class EngineCore:
             num_total_blocks=kv.num_usable_blocks,
             finished_by_reason=dict(self._finished_by_reason),
             device=self.config.device,
+            spec_num_drafts=sched.num_drafts,
+            spec_num_draft_tokens=sched.num_draft_tokens,
+            spec_num_accepted_tokens=sched.num_accepted_tokens,
+            spec_accepted_per_pos=list(sched.num_accepted_tokens_per_pos),
         )
 
     def take_step_tokens(self) -> list[int]:

@@ -41,6 +41,7 @@ from stepahead.worker.row_failures import RowsApart, sample_rows_apart
 from stepahead.worker.sampled_feed import SampledTokenFeed
 from stepahead.worker.sampler import SamplerOutput, apply_bitmask, logprobs_to_host, sample
 from stepahead.worker.sampling_metadata import RowSampling, SamplingMetadata
+from stepahead.worker.spec.spec_decoder import SpecDecoder
 from stepahead.worker.staging import StagingBuffer
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class StepInputs:
     max_query_len: int  # the most new tokens of any row (1: a decode-only step)
     prompt_rows: PromptRows | None = None  # with packed weights: the rows that are prompt tokens
     gpu_start: torch.cuda.Event | None = None  # recorded just before the upload (CUDA)
+    sample_drafts: list[list[int]] | None = None  # with speculation: each sampling row's drafts
 
 
 @dataclass
@@ -75,6 +77,7 @@ class _TokenLayout:
     substitute_at: list[int]  # token index in the batch whose id is this worker's last sample...
     substitute_from: list[int]  # ...taken from this row of prev_sampled_token_ids
     prompt_tokens: list[tuple[int, int]]  # [start, end) runs of prompt tokens in the batch
+    sample_drafts: list[list[int]] | None = None  # with speculation: the drafts each sampling row verifies
 
 
 @dataclass
@@ -107,6 +110,7 @@ class _StepState:
     events: list[TraceEvent]
     gpu_start: torch.cuda.Event | None  # recorded just before the step's upload, its first device work (CUDA)
     prompt_logprobs: StepPromptLogprobs | None = None  # for requests that asked (worker/prompt_logprobs.py)
+    sample_drafts: list[list[int]] | None = None  # with speculation: each sampling row's drafts (logits per position)
 
 
 class ModelRunner:
@@ -122,9 +126,14 @@ class ModelRunner:
         # This rank's place among tensor and pipeline ranks (docs/design.md, "Tensor and pipeline parallelism").
         self.ps = ps
         model_config, cache_config, sched_config = config.model_config, config.cache_config, config.scheduler_config
-        if sched_config.num_speculative_tokens:  # drafts would be scheduled that nothing here proposes
-            raise ValueError(f"num_speculative_tokens must be 0: the model runner has no proposer yet, got "
+        spec_config = config.speculative_config
+        if sched_config.num_speculative_tokens and spec_config is None:  # drafts nothing here would propose
+            raise ValueError(f"num_speculative_tokens must be 0 without a speculative_config, got "
                              f"{sched_config.num_speculative_tokens}")
+        if spec_config is not None and ps.world_size > 1:
+            raise ValueError(f"speculative_config runs on one worker rank, not {ps.world_size}")
+        # Drafts proposed here after sampling and verified in the next forward pass (worker/spec/).
+        self.spec = SpecDecoder(spec_config, sched_config.max_model_len) if spec_config is not None else None
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(model_config.seed)
@@ -140,9 +149,11 @@ class ModelRunner:
         self.eos_token_ids = [i for i in (model_config.eos_token_id, *model_config.extra_eos_token_ids) if i is not None]
         max_blocks_per_seq = cdiv(sched_config.max_model_len, cache_config.block_size)
         # Worst step: 6 per token (ids, positions, slots, prompt/generated row index, the decode kernel's
-        # keys per token and token-to-request index), block tables of every row, 6 per row.
-        capacity = (6 * sched_config.max_num_batched_tokens + 6 * sched_config.max_num_seqs + 1
-                    + 2 * sched_config.max_num_seqs * max_blocks_per_seq + STAGING_ALIGNMENT_SLACK)
+        # keys per token and token-to-request index), block tables of every row, 6 per row. A request
+        # verifying drafts is 1 + k attention rows.
+        max_rows = sched_config.max_num_seqs * (1 + sched_config.num_speculative_tokens)
+        capacity = (6 * sched_config.max_num_batched_tokens + 6 * max_rows + 1
+                    + 2 * max_rows * max_blocks_per_seq + STAGING_ALIGNMENT_SLACK)
         self.staging = StagingBuffer(capacity, self.device)
         if config.attention_backend == "triton":
             self.attention_backend = TritonBackend(self.block_size)
@@ -176,7 +187,7 @@ class ModelRunner:
         self.prev_req_id_to_row: dict[str, int] = {}
         self._step: _StepState | None = None
         # Async outputs: sample_tokens returns before the sampled ids reach the host (see async_output.py).
-        self.async_output = config.async_output and ps.world_size == 1
+        self.async_output = config.async_output and ps.world_size == 1 and self.spec is None
         self._unresolved: list[AsyncModelRunnerOutput] = []
         # Ranks but one: the sampler's tokens arrive by broadcast (worker/sampled_feed.py).
         self.feed = SampledTokenFeed(ps, self.device) if ps.world_size > 1 else None
@@ -208,13 +219,16 @@ class ModelRunner:
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self.requests[req_id]
-            state.num_computed_tokens = cached.num_computed_tokens[i]
+            resumed = req_id in cached.resumed_req_ids
+            state.num_computed_tokens = (cached.num_computed_tokens[i] if self.spec is None or resumed
+                                         else self.spec.num_computed(state, cached.num_computed_tokens[i]))
             new_blocks = cached.new_block_ids[i] if i < len(cached.new_block_ids) else None
             history = cached.all_token_ids.get(req_id)
-            if req_id in cached.resumed_req_ids:
+            if resumed:
                 # Preempted and re-admitted: fresh blocks, history from the scheduler, and whatever this
-                # worker sampled before the preemption is no longer ours to feed.
+                # worker sampled (or drafted) before the preemption is no longer ours to feed.
                 state.block_ids = list(new_blocks or [])
+                state.draft.reset()
                 num_outputs = cached.num_output_tokens[i] if i < len(cached.num_output_tokens) else None
                 if history is not None:
                     state.set_history(history, num_outputs)
@@ -232,16 +246,18 @@ class ModelRunner:
 
     def _batch_order(self, scheduler_output: SchedulerOutput) -> tuple[list[str], int]:
         """Single-token rows first, shortest context first (attention pads them in groups of similar
-        length), then multi-token rows. Returns the order and the number of single-token rows."""
+        length), then multi-token rows. Returns the order and the number of single-token rows. A row
+        verifying drafts counts as single: it attends as one decode row per token."""
         num_scheduled = scheduler_output.num_scheduled_tokens
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         requests = self.requests
 
         def key(req_id: str) -> tuple[bool, int]:
-            single = num_scheduled[req_id] == 1
+            single = num_scheduled[req_id] == 1 + len(spec_tokens.get(req_id, ()))
             return (not single, requests[req_id].num_computed_tokens if single else 0)
 
         order = sorted(num_scheduled, key=key)
-        return order, sum(1 for req_id in order if num_scheduled[req_id] == 1)
+        return order, sum(1 for req_id in order if num_scheduled[req_id] == 1 + len(spec_tokens.get(req_id, ())))
 
     def _lay_out_tokens(self, order: list[str], num_decode_rows: int,
                         scheduler_output: SchedulerOutput) -> _TokenLayout:
@@ -251,23 +267,29 @@ class ModelRunner:
         ids, ids_offset = staging.alloc(num_tokens)
         positions, positions_offset = staging.alloc(num_tokens)
         slots, slots_offset = staging.alloc(num_tokens)
-        layout = _TokenLayout([], num_decode_rows, ids_offset, positions_offset, slots_offset, [], [], [], [], [])
+        layout = _TokenLayout([], num_decode_rows, ids_offset, positions_offset, slots_offset, [], [], [], [], [],
+                              [] if self.spec is not None else None)
         offset = 0
         for b, req_id in enumerate(order):
             state = self.requests[req_id]
             num_new = scheduler_output.num_scheduled_tokens[req_id]
             start = state.num_computed_tokens
             end = start + num_new
-            if len(state.token_ids) < end:
+            # With speculation a sampling row ends with drafts after the last known token.
+            drafts = (self.spec.step_drafts(state, scheduler_output.scheduled_spec_decode_tokens.get(req_id))
+                      if self.spec is not None else [])
+            token_ids = state.token_ids + drafts if drafts else state.token_ids
+            state.num_computed_tokens = end  # the worker's own count (rejected drafts come off at sampling)
+            if len(token_ids) < end:
                 raise RuntimeError(f"request {req_id}: positions {start}..{end} not known to the worker "
-                                   f"(has {len(state.token_ids)})")
+                                   f"(has {len(token_ids)})")
             table = state.block_ids
             need = cdiv(end, block_size)
             if need > len(table):
                 raise RuntimeError(f"request {req_id}: {end} tokens need {need} blocks, worker holds {len(table)}")
             # When this row ends at the token our own last sample produced, that token comes from the
             # device copy (on CUDA the host may not have it yet); the host slot gets -1.
-            from_device = end == len(state.token_ids) and req_id in self.prev_req_id_to_row
+            from_device = end == len(token_ids) and req_id in self.prev_req_id_to_row
             if from_device:
                 layout.substitute_at.append(offset + num_new - 1)
                 layout.substitute_from.append(self.prev_req_id_to_row[req_id])
@@ -276,7 +298,7 @@ class ModelRunner:
                 positions[offset] = start
                 slots[offset] = table[start // block_size] * block_size + start % block_size
             else:
-                ids[offset:offset + num_new] = state.token_ids[start:end]
+                ids[offset:offset + num_new] = token_ids[start:end]
                 if from_device:
                     ids[offset + num_new - 1] = -1
                 row_positions = np.arange(start, end)
@@ -286,10 +308,16 @@ class ModelRunner:
                                                   * block_size + row_positions % block_size)
             if start < state.num_prompt_tokens:
                 layout.prompt_tokens.append((offset, offset + min(end, state.num_prompt_tokens) - start))
-            if end >= len(state.token_ids):
+            if end >= len(token_ids):
                 layout.sample_rows.append(b)
-                layout.logits_indices.append(offset + num_new - 1)
-            layout.rows.append(BatchRow(offset, num_new, start, table))
+                layout.logits_indices.extend(range(offset + num_new - 1 - len(drafts), offset + num_new))
+                if layout.sample_drafts is not None:
+                    layout.sample_drafts.append(drafts)
+            if drafts:  # one decode row per token: each attends to the keys up to its own (all written first)
+                layout.rows.extend(BatchRow(offset + j, 1, start + j, table) for j in range(num_new))
+                layout.num_decode_rows += num_new - 1
+            else:
+                layout.rows.append(BatchRow(offset, num_new, start, table))
             offset += num_new
         return layout
 
@@ -302,7 +330,7 @@ class ModelRunner:
         staging.reset()
         order, num_decode_rows = self._batch_order(scheduler_output)
         layout = self._lay_out_tokens(order, num_decode_rows, scheduler_output)
-        staged_attention = self.attention_backend.stage(layout.rows, num_decode_rows, staging)
+        staged_attention = self.attention_backend.stage(layout.rows, layout.num_decode_rows, staging)
         host_logits_indices, logits_offset = staging.alloc(len(layout.logits_indices))
         host_logits_indices[:] = layout.logits_indices
         host_at, at_offset = staging.alloc(len(layout.substitute_at))
@@ -329,7 +357,7 @@ class ModelRunner:
                           layout.sample_rows, staging.view(logits_offset, len(host_logits_indices)),
                           max((row.num_new_tokens for row in layout.rows), default=0),
                           staged_prompt_rows.finish(staging) if staged_prompt_rows is not None else None,
-                          gpu_start)
+                          gpu_start, layout.sample_drafts)
 
     def _stage_prompt_rows(self, prompt_tokens: list[tuple[int, int]], num_tokens: int) -> _StagedPromptRows | None:
         """Which rows are prompt tokens, for packed projections that run them dense (models/quant/prompt_rows.py);
@@ -414,7 +442,7 @@ class ModelRunner:
             events.append(TraceEvent("send_hidden", "worker", t2, time.monotonic(), args))
         self._step = _StepState(scheduler_output.step_id, inputs.req_ids, inputs.sample_rows, hidden,
                                 scheduler_output.total_num_scheduled_tokens, t0, events, inputs.gpu_start,
-                                prompt_logprobs)
+                                prompt_logprobs, inputs.sample_drafts)
         return None
 
     def _resolve_outputs(self, keep_latest: bool = False) -> None:
@@ -439,8 +467,11 @@ class ModelRunner:
         return RowSampling(params, state.prompt_token_ids, outputs, stop_ids, num_outputs)
 
     def _apply_grammar_bitmask(self, logits: torch.Tensor, step: _StepState, grammar_output: GrammarOutput) -> None:
-        """Mask the logits of the rows whose request has a grammar (the bitmask has one row per such request)."""
-        sample_row_of = {step.req_ids[b]: i for i, b in enumerate(step.sample_rows)}
+        """Mask the logits of the rows whose request has a grammar (the bitmask has one row per such request;
+        such a request verifies no drafts, so its one logits row is its sampling row's first)."""
+        first = range(len(step.sample_rows)) if step.sample_drafts is None else \
+            np.cumsum([0] + [1 + len(d) for d in step.sample_drafts[:-1]]).tolist()
+        sample_row_of = {step.req_ids[b]: first[i] for i, b in enumerate(step.sample_rows)}
         pairs = [(sample_row_of[req_id], k) for k, req_id in enumerate(grammar_output.structured_output_request_ids)
                  if req_id in sample_row_of]
         if pairs:
@@ -473,6 +504,8 @@ class ModelRunner:
                 step.events.append(TraceEvent("apply_bitmask", "worker", t_mask, time.monotonic(),
                                               {"step": step.step_id,
                                                "reqs": len(grammar_output.structured_output_request_ids)}))
+        if step.sample_drafts is not None:
+            return self._verify_and_propose(step, logits, states, rows, t0)
         apart = None
         try:
             metadata = SamplingMetadata.from_rows(rows, logits.shape[1], logits.device) if rows else None
@@ -511,6 +544,20 @@ class ModelRunner:
         self._unresolved.append(handle)
         return handle
 
+    def _verify_and_propose(self, step: _StepState, logits: torch.Tensor, states: list[CachedRequestState],
+                            rows: list[RowSampling], t0: float) -> ModelRunnerOutput:
+        """Speculative decoding's sampling (worker/spec/spec_decoder.py): every position sampled, the
+        drafts verified, the next drafts proposed; the verified tokens are on the host afterwards."""
+        assert self.spec is not None and step.sample_drafts is not None
+        verified = self.spec.sample_and_verify(logits, rows, step.sample_drafts)
+        proposals = self.spec.propose(states, step.sample_drafts, verified)
+        self.prev_req_id_to_row = {}  # nothing to substitute on the device: the host holds every token
+        out = self._account(self.spec.to_output(step.req_ids, step.sample_rows, verified, proposals), step, t0,
+                            time.monotonic())
+        if step.gpu_start is not None:
+            out.gpu_busy_s = self._gpu_busy_s(step.gpu_start)
+        return out
+
     @staticmethod
     def _gpu_busy_s(gpu_start: torch.cuda.Event) -> float:
         """Device time of a step whose ids were read synchronously, from CUDA events."""
@@ -534,13 +581,17 @@ class ModelRunner:
             sampled_token_ids[b] = [ids[i]]
             if i in row_logprobs:
                 logprobs[step.req_ids[b]] = [row_logprobs[i]]
-        # On CPU the host does the device's work: its time is the device time too (CUDA overrides it).
-        busy_s = t1 - step.t_start
-        out = ModelRunnerOutput(step.req_ids, sampled_token_ids, logprobs, busy_s=busy_s, gpu_busy_s=busy_s)
-        if step.prompt_logprobs is not None:
-            out.prompt_logprobs = step.prompt_logprobs.to_host()
+        out = ModelRunnerOutput(step.req_ids, sampled_token_ids, logprobs)
         if apart is not None:
             out.failed = {step.req_ids[step.sample_rows[i]]: reason for i, reason in apart.failed.items()}
+        return self._account(out, step, t0, t1)
+
+    def _account(self, out: ModelRunnerOutput, step: _StepState, t0: float, t1: float) -> ModelRunnerOutput:
+        """The step's busy time, prompt logprobs and trace events on its output."""
+        # On CPU the host does the device's work: its time is the device time too (CUDA overrides it).
+        out.busy_s = out.gpu_busy_s = t1 - step.t_start
+        if step.prompt_logprobs is not None:
+            out.prompt_logprobs = step.prompt_logprobs.to_host()
         if self.config.trace:
             args = {"step": step.step_id, "num_reqs": len(step.req_ids), "num_tokens": step.num_tokens}
             if self.ps.pp_size > 1:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from stepahead.sampling_params import SamplingParams
+from stepahead.worker.spec.draft_track import DraftTrack
 
 
 @dataclass
@@ -17,6 +18,7 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     sampling_params: SamplingParams
+    draft: DraftTrack = field(default_factory=DraftTrack)  # speculative decoding's drafting state
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -119,3 +119,28 @@ def test_bad_length_range_is_rejected(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "throughput", "--input-len", "9:3"])
     assert "MIN <= MAX" in capsys.readouterr().err
+
+
+def test_compare_nospec_on_the_copy_workload(tiny_model_factory, tmp_path, capsys):
+    """Drafts against none on the copy-heavy prompts: the same tokens, fewer steps, the acceptance reported."""
+    tied = tiny_model_factory("llama", tie_word_embeddings=True)  # repeats itself: drafts hit
+    out = tmp_path / "spec.json"
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}'
+    rc = main(["bench", "throughput", "--model", str(tied), "--max-model-len", "512", "--max-num-seqs", "2",
+               "--dataset", "copy", "--num-prompts", "3", "--output-len", "16:16", "--temperature", "0",
+               "--speculative-config", spec, "--compare", "nospec", "--rounds", "1", "--json", str(out)])
+    assert rc == 0
+    assert "spec / nospec =" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    runs = {r["label"]: r for r in data["runs"]}
+    assert runs["spec"]["output_tokens"] == runs["nospec"]["output_tokens"] == 3 * 16
+    assert runs["spec"]["forward_steps"] < runs["nospec"]["forward_steps"]
+    assert runs["spec"]["mean_accepted_length"] > 1 and runs["nospec"]["mean_accepted_length"] == 0
+    assert data["workload"]["dataset"] == "copy"
+    assert data["summary"]["spec"]["mean_accepted_length"] == [runs["spec"]["mean_accepted_length"]]
+
+
+def test_compare_nospec_needs_a_speculative_config(tiny_llama, capsys):
+    rc = main(["bench", "throughput", "--model", str(tiny_llama), *ENGINE, *WORKLOAD, "--compare", "nospec"])
+    assert rc != 0
+    assert "--compare nospec needs --speculative-config" in capsys.readouterr().err

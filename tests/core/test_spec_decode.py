@@ -52,11 +52,12 @@ class Steps:
         check_scheduler(self.s, self.in_flight)
         return so
 
-    def update(self, sampled, drafts=None):
+    def update(self, sampled, drafts=None, slots=None):
         so = self.in_flight.pop(0)
         rids = list(so.num_scheduled_tokens)
         rows = [sampled.get(rid, []) for rid in rids]
-        outs = self.s.update_from_output(so, ModelRunnerOutput(rids, rows, draft_token_ids=drafts or {}))
+        outs = self.s.update_from_output(so, ModelRunnerOutput(rids, rows, draft_token_ids=drafts or {},
+                                                               draft_slots=slots or {}))
         check_scheduler(self.s, self.in_flight)
         return outs
 
@@ -246,6 +247,26 @@ def test_structured_output_requests_draft_nothing():
         assert not steps.schedule().scheduled_spec_decode_tokens
 
 
+def test_async_reserves_the_slots_the_worker_asks_for():
+    """A worker whose drafts keep missing asks for fewer slots (down to none); the async scheduler
+    reserves that many after each sampling step from then on (the step already planned keeps its
+    slots), and more again when asked."""
+    steps, req = _start()
+    steps.update({"r": [11]}, slots={"r": 0})  # step 2: both drafts rejected; no more, says the worker
+    assert _counters(req) == (6, 5, 0, 0, 0) and req.spec_token_ids == [-1, -1]
+    s3 = steps.schedule()  # reserved when step 2 was scheduled
+    assert s3.num_scheduled_tokens == {"r": 3} and req.spec_token_ids == []
+    s4 = steps.schedule()
+    assert s4.num_scheduled_tokens == {"r": 1} and not s4.scheduled_spec_decode_tokens
+    steps.update({"r": [12]}, slots={"r": 1})
+    assert req.spec_token_ids == []
+    steps.update({"r": [13]})
+    s5 = steps.schedule()
+    assert s5.num_scheduled_tokens == {"r": 1} and req.spec_token_ids == [-1]
+    s6 = steps.schedule()
+    assert s6.num_scheduled_tokens == {"r": 2} and s6.scheduled_spec_decode_tokens == {"r": [-1]}
+
+
 def test_off_by_default_nothing_drafted():
     steps = Steps(Scheduler(SchedulerConfig(), CacheConfig(block_size=4, num_blocks=32)))
     req = _add(steps.s)
@@ -254,9 +275,18 @@ def test_off_by_default_nothing_drafted():
     assert req.spec_token_ids == [] and not steps.schedule().scheduled_spec_decode_tokens
 
 
-def test_speculative_config_refused_until_the_worker_can_draft():
+def test_speculative_config_refuses_what_the_worker_cannot_run():
     with pytest.raises(ValueError, match="speculative_config.method is not supported yet"):
-        EngineArgs(speculative_config='{"method": "ngram", "num_speculative_tokens": 4}')
+        EngineArgs(speculative_config='{"method": "draft_model", "num_speculative_tokens": 4}')
+    with pytest.raises(ValueError, match="speculative_config runs on one worker rank"):
+        EngineArgs(speculative_config='{"method": "ngram", "num_speculative_tokens": 4}', tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="prompt_lookup_max must be an int >= prompt_lookup_min"):
+        SpeculativeConfig.from_user({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 3,
+                                     "prompt_lookup_max": 2})
+    # vLLM's defaults: 5 and 5 when neither is given, the other's value when one is.
+    assert SpeculativeConfig("ngram", 4).prompt_lookup_min == 5
+    given = SpeculativeConfig("ngram", 4, prompt_lookup_max=3)
+    assert (given.prompt_lookup_min, given.prompt_lookup_max) == (3, 3)
     with pytest.raises(ValueError, match="speculative_config.method must be one of"):
         EngineArgs(speculative_config={"method": "eagle", "num_speculative_tokens": 4})
     with pytest.raises(ValueError, match="unknown keys"):

@@ -1,7 +1,7 @@
 """Prometheus metrics on /metrics, with vLLM's names under the `stepahead:` prefix.
 
 Engine-side numbers (queue sizes, KV blocks, prefix cache, preemptions, token totals, wasted steps,
-worker utilization) come from the latest EngineStats snapshot, read at scrape time by a custom
+worker utilization, speculative decoding's acceptance) come from the latest EngineStats snapshot, read at scrape time by a custom
 collector. Latencies (TTFT, inter-token, end-to-end) and finished requests by reason are measured
 here, in the API process, as the outputs arrive (vLLM does the same in its frontend).
 Each app gets its own registry, so several servers in one process never collide. `--metrics-prefix
@@ -86,6 +86,20 @@ class EngineStatsCollector(Collector):
         yield self._counter("host_busy_seconds", "Worker host time in step calls.", stats.busy_s)
         yield self._counter("gpu_busy_seconds", "Device time of the steps (on CPU the host time).", stats.gpu_busy_s)
         yield self._counter("engine_busy_wall_seconds", "Wall time during which the engine had work.", stats.wall_s)
+        yield from self._spec_decode(stats)
+
+    def _spec_decode(self, stats: EngineStats) -> Iterator[Metric]:
+        """Speculative decoding's acceptance, as vLLM counts it (0 without speculation)."""
+        yield self._counter("spec_decode_num_drafts", "Request-steps that verified draft tokens.", stats.spec_num_drafts)
+        yield self._counter("spec_decode_num_draft_tokens", "Draft tokens verified.", stats.spec_num_draft_tokens)
+        yield self._counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                            stats.spec_num_accepted_tokens)
+        family = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                     "Draft tokens accepted, by position in their step's drafts (0-based).",
+                                     labels=[*self._labels, "position"])
+        for pos, accepted in enumerate(stats.spec_accepted_per_pos):
+            family.add_metric([*self._labels.values(), str(pos)], accepted)
+        yield family
 
     def _cache_config_info(self, stats: EngineStats) -> GaugeMetricFamily:
         """vLLM's info gauge: value 1, the configuration in the labels (the pool as the worker sized it)."""

@@ -1,33 +1,37 @@
 """Verification of drafts against the target model's samples in one forward pass.
 
-Greedy: a step that verifies d drafts has the target's choice at each of its 1 + d sampled
-positions (the last known token's, then each draft's). Drafts are accepted while they equal the
-target's choice at their position; the target's choice at the first mismatch (or after the last
-draft) follows them, so 1..d+1 tokens come out and they are exactly the tokens plain greedy
-decoding would produce. Random sampling's accept/resample rule is not built yet.
+A step that verifies d drafts samples the target at each of its 1 + d positions (the last known
+token's, then each draft's), every position with the context of the drafts before it. Drafts are
+accepted while they equal the target's sample at their position; the target's sample at the first
+mismatch (or after the last draft) follows them, so 1..d+1 tokens come out.
+
+Greedy rows: the samples are the argmax, so the tokens are exactly those plain greedy decoding gives.
+Random rows: this is the standard accept/resample rule for a proposer whose distribution q is one-hot
+on its draft x (the n-gram proposer's): the rule accepts x with probability min(1, p(x) / q(x)) = p(x),
+and on rejection draws from max(p - q, 0) normalized, which is p restricted to tokens other than x.
+Sampling t ~ p and accepting iff t == x gives x with probability p(x) and, otherwise, t distributed as
+p given t != x: the same law. Each position keeps its own uniform (a seeded request's is a function of
+its seed and output index), so a seeded request's tokens are the ones it gets without drafts.
 """
 
 from __future__ import annotations
 
-import torch
 
+def accept_drafts(drafts: list[list[int]], targets: list[int]) -> list[list[int]]:
+    """drafts: per request, the drafts its step verified (possibly none); targets: the target's
+    samples of every request's 1 + len(drafts) positions, request after request.
 
-def greedy_verify(draft_token_ids: torch.Tensor, num_drafts: torch.Tensor,
-                  target_token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """draft_token_ids [R, K] (padding past num_drafts[r] is ignored), num_drafts [R],
-    target_token_ids [R, K + 1]: the target's choice at each position.
-
-    Returns (num_accepted [R], output [R, K + 1]): row r's tokens are output[r, :num_accepted[r] + 1].
+    Returns per request the tokens the step delivers: the accepted drafts and the target's next sample.
     """
-    num_rows, k = draft_token_ids.shape
-    valid = torch.arange(k, device=draft_token_ids.device).unsqueeze(0) < num_drafts.unsqueeze(1)
-    match = (draft_token_ids == target_token_ids[:, :k]) & valid
-    num_accepted = match.to(torch.int32).cumprod(dim=1).sum(dim=1)
-    return num_accepted, target_token_ids
-
-
-def accepted_lists(num_accepted: torch.Tensor, output: torch.Tensor) -> list[list[int]]:
-    """Per row, the tokens a step delivers (one host transfer for the batch)."""
-    counts = num_accepted.tolist()
-    rows = output.tolist()
-    return [row[:n + 1] for row, n in zip(rows, counts, strict=True)]
+    tokens: list[list[int]] = []
+    first = 0
+    for row_drafts in drafts:
+        row = targets[first:first + len(row_drafts) + 1]
+        num_accepted = 0
+        while num_accepted < len(row_drafts) and row_drafts[num_accepted] == row[num_accepted]:
+            num_accepted += 1
+        tokens.append(row[:num_accepted + 1])
+        first += len(row_drafts) + 1
+    if first != len(targets):
+        raise ValueError(f"{len(targets)} target samples for {first} positions")
+    return tokens
