@@ -70,14 +70,15 @@ def compute_prompt_logprobs(
     requests: Mapping[str, CachedRequestState],
 ) -> StepPromptLogprobs | None:
     """hidden: [num_tokens, hidden] of every scheduled token, rows in `order` with num_scheduled each;
-    requests' num_computed_tokens are this step's starts. None when no row asks for prompt logprobs."""
+    requests' num_computed_tokens are this step's ends (the runner counts a row's tokens as computed
+    when it lays the step out). None when no row asks for prompt logprobs."""
     runs = []
     offset = 0
     for req_id in order:
         num_new = num_scheduled[req_id]
         state = requests[req_id]
         k = state.sampling_params.prompt_logprobs
-        start = state.num_computed_tokens
+        start = state.num_computed_tokens - num_new
         # Positions start .. last-1 predict prompt tokens start+1 .. last.
         last = min(start + num_new, state.num_prompt_tokens - 1)
         if k is not None and last > start:
