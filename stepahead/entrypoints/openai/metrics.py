@@ -94,7 +94,7 @@ class EngineStatsCollector(Collector):
         yield self._counter("spec_decode_num_draft_tokens", "Draft tokens verified.", stats.spec_num_draft_tokens)
         yield self._counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
                             stats.spec_num_accepted_tokens)
-        family = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+        family = CounterMetricFamily(self._prefix + "spec_decode_num_accepted_tokens_per_pos",
                                      "Draft tokens accepted, by position in their step's drafts (0-based).",
                                      labels=[*self._labels, "position"])
         for pos, accepted in enumerate(stats.spec_accepted_per_pos):
