@@ -160,6 +160,16 @@ def build_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **overrid
     return folder
 
 
+def llm_greedy(folder: Path, prompts: list[list[int]], max_tokens: int, **engine) -> list[list[int]]:
+    """stepahead's greedy token ids through LLM (in-process executor), for comparison with hf_greedy."""
+    from stepahead import LLM, SamplingParams
+
+    with LLM(str(folder), executor="uni", **engine) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
 def hf_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """Reference: transformers' greedy generate in float32, one prompt at a time (no padding effects)."""
     import torch

@@ -252,12 +252,13 @@ class ModelRunner:
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         requests = self.requests
 
+        single = {req_id: n == 1 + len(spec_tokens.get(req_id, ())) for req_id, n in num_scheduled.items()}
+
         def key(req_id: str) -> tuple[bool, int]:
-            single = num_scheduled[req_id] == 1 + len(spec_tokens.get(req_id, ()))
-            return (not single, requests[req_id].num_computed_tokens if single else 0)
+            return (not single[req_id], requests[req_id].num_computed_tokens if single[req_id] else 0)
 
         order = sorted(num_scheduled, key=key)
-        return order, sum(1 for req_id in order if num_scheduled[req_id] == 1 + len(spec_tokens.get(req_id, ())))
+        return order, sum(single.values())
 
     def _lay_out_tokens(self, order: list[str], num_decode_rows: int,
                         scheduler_output: SchedulerOutput) -> _TokenLayout:

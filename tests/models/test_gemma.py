@@ -33,14 +33,6 @@ def _generate(folder, prompts, params=None, **engine):
         return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
 
-@pytest.fixture(params=["kernel", "sdpa"])
-def attention_path(request, monkeypatch):
-    """float32 on CPU runs stepahead's kernels (attention, rope, norms); without them, torch's."""
-    if request.param == "sdpa":
-        monkeypatch.setattr("stepahead.kernels.cpu_build.available", lambda: False)
-    return request.param
-
-
 @pytest.mark.parametrize("arch", GEMMA_ARCHS)
 def test_greedy_matches_transformers(tiny_model_factory, arch, attention_path):
     folder = tiny_model_factory(arch)

@@ -9,13 +9,12 @@ import random
 import pytest
 import torch
 
-from stepahead import LLM, SamplingParams
 from stepahead.bench.full_forward import sequence_logits
 from stepahead.models.llama import LlamaArgs
 from stepahead.models.loading.loader import load_model, load_model_config
 from stepahead.models.rope import rope_cos_sin
 from tests.models.gguf_writer import write_gguf
-from tests.tiny_models import hf_greedy, hf_logits, phi3_longrope
+from tests.tiny_models import hf_greedy, hf_logits, llm_greedy, phi3_longrope
 
 MAX_TOKENS = 8
 ORIGINAL = 128  # the tiny LongRoPE checkpoint's original context; it is stretched to 4x
@@ -38,10 +37,7 @@ def _prompts(lengths, seed=0) -> list[list[int]]:
 
 
 def _generate(folder, prompts, **engine) -> list[list[int]]:
-    with LLM(str(folder), executor="uni", **engine) as llm:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True), use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
+    return llm_greedy(folder, prompts, MAX_TOKENS, **engine)
 
 
 def test_partial_rotary_greedy_matches_transformers(tiny_phi3):

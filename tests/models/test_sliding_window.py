@@ -10,7 +10,7 @@ import pytest
 
 from stepahead import LLM, SamplingParams
 from stepahead.models.loading.loader import load_model_config
-from tests.tiny_models import hf_greedy
+from tests.tiny_models import hf_greedy, llm_greedy
 
 MAX_TOKENS = 24
 PROMPT_LENS = (5, 19, 40, 70)
@@ -27,18 +27,7 @@ def _prompts() -> list[list[int]]:
 
 
 def _generate(folder, prompts, **engine) -> list[list[int]]:
-    with LLM(str(folder), executor="uni", **engine) as llm:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True), use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
-
-
-@pytest.fixture(params=["kernel", "sdpa"])
-def attention_path(request, monkeypatch):
-    """float32 on CPU runs stepahead's attention kernel; without the kernels, SDPA."""
-    if request.param == "sdpa":
-        monkeypatch.setattr("stepahead.kernels.cpu_build.available", lambda: False)
-    return request.param
+    return llm_greedy(folder, prompts, MAX_TOKENS, **engine)
 
 
 @pytest.mark.parametrize("arch", sorted(WINDOWED))
