@@ -8,6 +8,10 @@
 #   benchmarks/vs_llama_server.sh GGUF LLAMA_SERVER TOKENIZER_DIR [ROUNDS] [OUTDIR]
 #
 # TOKENIZER_DIR: a folder with the model's tokenizer (the model cache's entry for the GGUF file).
+# STEPAHEAD_SERVE_ARGS: extra `stepahead serve` flags, BENCH_ARGS: extra `bench serve` flags for both
+# engines, each split on spaces (so a JSON value is written without any), e.g.
+#   STEPAHEAD_SERVE_ARGS='--speculative-config {"method":"ngram","num_speculative_tokens":4}'
+#   BENCH_ARGS='--dataset-name copy'
 # LLAMA_THREADS: llama-server's -t (default 2). On a machine whose cores other work also uses, its
 # threads spin at every barrier for a partner that lost its core; -t 1 has no barriers to wait at.
 # llama.cpp is built as docs/BENCHMARKS.md section 14.1 says; it is no dependency of stepahead.
@@ -15,6 +19,8 @@ set -euo pipefail
 GGUF=$1 LLAMA_SERVER=$2 TOKENIZER=$3 ROUNDS=${4:-3} OUT=${5:-/tmp/vs-llama-server}
 STEPAHEAD=${STEPAHEAD:-.venv/bin/stepahead}
 LLAMA_THREADS=${LLAMA_THREADS:-2}
+read -ra SERVE_ARGS <<<"${STEPAHEAD_SERVE_ARGS:-}"
+read -ra EXTRA_BENCH_ARGS <<<"${BENCH_ARGS:-}"
 PYTHON=${PYTHON:-.venv/bin/python}
 mkdir -p "$OUT"
 
@@ -33,7 +39,7 @@ bench() {  # engine port round
     "$STEPAHEAD" bench serve --base-url "http://127.0.0.1:$2" --tokenizer "$TOKENIZER" --num-prompts "$prompts" \
       --random-input-len 64 --random-output-len 128 --max-concurrency "$streams" --ignore-eos --temperature 0 \
       --num-warmups 1 --seed "$seed" --disable-tqdm --save-result --result-dir "$OUT" \
-      --result-filename "$1-c$streams-r$3.json" >"$OUT/$1-c$streams-r$3.log" 2>&1
+      --result-filename "$1-c$streams-r$3.json" "${EXTRA_BENCH_ARGS[@]}" >"$OUT/$1-c$streams-r$3.log" 2>&1
   done
 }
 
@@ -46,7 +52,7 @@ for round in $(seq "$ROUNDS"); do
       "$LLAMA_SERVER" -m "$GGUF" -t "$LLAMA_THREADS" -np 32 -c 8192 -cb --port "$port" >"$OUT/llama-server.log" 2>&1 &
     else
       port=8092
-      "$STEPAHEAD" serve "$GGUF" --port "$port" >"$OUT/stepahead-serve.log" 2>&1 &
+      "$STEPAHEAD" serve "$GGUF" --port "$port" "${SERVE_ARGS[@]}" >"$OUT/stepahead-serve.log" 2>&1 &
     fi
     pid=$!
     wait_up "$port"
