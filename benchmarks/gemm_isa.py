@@ -45,7 +45,7 @@ def _q8_tiles(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
     return cpu_packed.tile_q8(q, scales)
 
 
-def measure(reps: int, threads: int) -> dict:
+def measure(reps: int, threads: int, row_counts: list[int]) -> dict:
     """In this process: per row count, the median milliseconds of the layers' projections and of the head."""
     from stepahead.kernels import cpu_packed
 
@@ -54,7 +54,7 @@ def measure(reps: int, threads: int) -> dict:
     layers = [[(_q4_tiles(n, k, gen), n, k) for n, k in PROJECTIONS] for _ in range(LAYERS)]
     head = _q8_tiles(*HEAD, gen)
     out: dict = {"isa": cpu_packed.instruction_set(), "layers_ms": {}, "head_ms": {}}
-    for rows in ROWS:
+    for rows in row_counts:
         xs = {k: torch.randn(rows, k) for k in (576, 1536)}
         layer_times, head_times = [], []
         for rep in range(reps + 1):  # the first pass warms up
@@ -80,10 +80,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--isa", nargs="+", default=["avx512", "avx2"],
                         help="instruction sets, each run in its own process per round (avx512: no cap)")
+    parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(measure(args.reps, args.threads)))
+        print(json.dumps(measure(args.reps, args.threads, args.rows)))
         return
     results: dict[str, list[dict]] = {isa: [] for isa in args.isa}
     for _ in range(args.rounds):
@@ -92,8 +93,8 @@ def main() -> None:
             if isa != "avx512":
                 env["STEPAHEAD_MAX_CPU_ISA"] = isa
             child = subprocess.run([sys.executable, __file__, "--child", "--reps", str(args.reps),
-                                    "--threads", str(args.threads)], env=env, check=True, capture_output=True,
-                                   text=True)
+                                    "--threads", str(args.threads), "--rows", *map(str, args.rows)],
+                                   env=env, check=True, capture_output=True, text=True)
             result = json.loads(child.stdout.strip().splitlines()[-1])
             if result["isa"] != isa:
                 raise SystemExit(f"asked for {isa}, the process multiplied with {result['isa']}")
@@ -102,7 +103,7 @@ def main() -> None:
           f"per round in brackets")
     print("| rows | " + " | ".join(f"30 layers {isa} | head {isa}" for isa in args.isa) + " |")
     print("|---" * (1 + 2 * len(args.isa)) + "|")
-    for rows in ROWS:
+    for rows in args.rows:
         cells = []
         for isa in args.isa:
             for key in ("layers_ms", "head_ms"):
