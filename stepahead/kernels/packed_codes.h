@@ -26,7 +26,7 @@ using BlockFn = void (*)(const PackedWeight&, const QuantizedRows&, int64_t M, i
                          const Output&, Warmer*);
 
 // The 512-bit work item for a format (packed_gemm_zmm.cpp): for blocks of two tiles only, and only on a
-// CPU with AVX-512 F, BW, VL and VNNI.
+// CPU with AVX-512 F, BW, VL and VNNI; nullptr where the compiler built none.
 BlockFn zmm_block_runner(PackedWeight::Format format);
 
 namespace {

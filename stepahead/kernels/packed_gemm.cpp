@@ -99,7 +99,8 @@ Isa isa() {
     const std::string cap = cap_env != nullptr ? cap_env : "";
     __builtin_cpu_init();
     const bool vnni = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
-    const bool zmm = vnni && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+    const bool zmm = vnni && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                     zmm_block_runner(PackedWeight::Format::kQ4) != nullptr;
     if (cap == "avx2" || !vnni) return Isa::kAvx2;
     if (cap == "avx512_vnni" || !zmm) return Isa::kVnni;
     return Isa::kZmm;

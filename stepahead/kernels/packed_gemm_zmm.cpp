@@ -27,6 +27,9 @@
 #include "simd.h"
 #include "warmer.h"
 
+// GCC's target pragma; another compiler builds no 512-bit tiles (zmm_block_runner says so).
+#if defined(__GNUC__) && !defined(__clang__)
+#define STEPAHEAD_ZMM_TILES 1
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni")
 
@@ -254,10 +257,16 @@ void block_of(const PackedWeight& w, const QuantizedRows& xq, int64_t M, int64_t
 }  // namespace stepahead_cpu
 
 #pragma GCC pop_options
+#else
+#include "packed_codes.h"
+#endif  // defined(__GNUC__) && !defined(__clang__)
 
 namespace stepahead_cpu {
 
 BlockFn zmm_block_runner(PackedWeight::Format format) {
+#ifndef STEPAHEAD_ZMM_TILES
+  return nullptr;
+#else
   switch (format) {
     case PackedWeight::Format::kQ4: return block_of<Q4>;
     case PackedWeight::Format::kQ8: return block_of<Q8>;
@@ -267,6 +276,7 @@ BlockFn zmm_block_runner(PackedWeight::Format format) {
     case PackedWeight::Format::kQ6K: return block_of<Q6K>;
   }
   TORCH_CHECK(false, "unknown packed weight format");
+#endif
 }
 
 }  // namespace stepahead_cpu
