@@ -35,9 +35,10 @@ def kernel_for(group_size: int) -> str:
 
 
 def instruction_set() -> str:
-    """What the kernels multiply with in this process: "avx512_vnni" (one vpdpwssd per pair of inputs,
-    where the CPU has AVX-512 VNNI) or "avx2" (vpmaddwd then vpaddd); the same bits either way.
-    STEPAHEAD_MAX_CPU_ISA=avx2, set before the first call, keeps "avx2" (A/B runs, tests)."""
+    """What the kernels multiply with in this process: "avx512" (two tiles of eight columns per 512-bit
+    vector, vpdpwssd, up to eight rows a pass; a CPU with AVX-512 F, BW, VL and VNNI), "avx512_vnni"
+    (vpdpwssd on 256-bit vectors) or "avx2" (vpmaddwd then vpaddd); the same bits in every case.
+    STEPAHEAD_MAX_CPU_ISA=avx2 or avx512_vnni, set before the first call, caps it (A/B runs, tests)."""
     return _op("packed_gemm_isa")()
 
 

@@ -24,7 +24,9 @@
 // Where the CPU has AVX-512 VNNI, one vpdpwssd does a pair's vpmaddwd and vpaddd (still on 256-bit
 // vectors): more multiply-adds per cycle on Zen 4, where the adds had competed with the unpacking for
 // the vector pipes (docs/BENCHMARKS.md, section 14.4). The sums are exact either way, so both paths give the same bits
-// (MaddAdd, Vnni; STEPAHEAD_MAX_CPU_ISA=avx2 keeps the first).
+// (MaddAdd, Vnni; STEPAHEAD_MAX_CPU_ISA=avx2 keeps the first). Where the CPU also has AVX-512 F and BW,
+// blocks of two tiles go to packed_gemm_zmm.cpp's tiles on 512-bit vectors (both tiles per vector, up
+// to eight rows a pass), the same bits again; STEPAHEAD_MAX_CPU_ISA=avx512_vnni keeps these.
 //
 // A row's result does not depend on its batch: its quantization uses its own values only, the integer
 // sums are exact, and the float accumulation over groups always runs in the same order, whatever the
@@ -49,6 +51,7 @@
 #include <vector>
 
 #include "ops.h"
+#include "packed_codes.h"
 #include "packed_gemm.h"
 #include "simd.h"
 #include "team.h"
@@ -59,93 +62,8 @@ namespace {
 
 constexpr float kCodeMax = 32767.f;
 
-// How many groups ahead of its reads a one-row call asks for weight records (tile): ~8 KB of 4-bit
-// records.
-constexpr int64_t kPrefetchGroups = 48;
-
-// Cache lines a warmer (warmer.h) asks for before each tile: a 32-row step's next attention (3-5 MB)
-// is asked for within the next layer's projections, and 32 or 64 lines slowed them more.
-constexpr int kWarmLinesPerTile = 16;
-
 // Bytes of activation codes per panel of rows (multiply): half of the build machine's L2 per core.
 constexpr int64_t kPanelBytes = 256 * 1024;
-
-// The weight formats. A record's codes are chunks of 32 bytes, each read as 16 int16 lanes: lane
-// 2c + e of chunk j holds, in its slot s (kSlots per lane), the code of the tile's column c at input
-// 2 * (kSlots * j + s) + e of the group, so that `unpack(chunk, s)` gives the codes of one pair of
-// inputs for the eight columns, as vpmaddwd multiplies them with the pair's activation codes.
-// Q4: nibbles, codes 0..15, w = q * scale + min. Q8 (GGUF's Q8_0 blocks): signed bytes, w = q * scale.
-struct Q4 {
-  static constexpr PackedWeight::Format kFormat = PackedWeight::Format::kQ4;
-  static constexpr bool kSuper = false;
-  static constexpr int kSlots = 4, kChunks = 4;
-  static constexpr bool kHasMins = true, kHigh = false;
-  static __m256i unpack(__m256i chunk, int s) {
-    if (s == 3) return _mm256_srli_epi16(chunk, 12);
-    return _mm256_and_si256(_mm256_srli_epi16(chunk, 4 * s), _mm256_set1_epi16(0x0f));
-  }
-  static __m256i code(__m256i chunk, __m256i, int, int s) { return unpack(chunk, s); }
-};
-
-// Bit b = 4 j + s of each int16 lane of `high` moved to bit 4 (a 5-bit code's fifth bit).
-inline __m256i fifth_bit(__m256i high, int j, int s) {
-  const int b = 4 * j + s;
-  const __m256i h = b >= 4 ? _mm256_srli_epi16(high, b - 4) : _mm256_slli_epi16(high, 4 - b);
-  return _mm256_and_si256(h, _mm256_set1_epi16(0x10));
-}
-
-// Q5 (GGUF's Q5_0, Q5_1): Q4's nibbles with the fifth bits in one chunk after them.
-struct Q5 {
-  static constexpr PackedWeight::Format kFormat = PackedWeight::Format::kQ5;
-  static constexpr bool kSuper = false;
-  static constexpr int kSlots = 4, kChunks = 4;
-  static constexpr bool kHasMins = true, kHigh = true;
-  static __m256i code(__m256i chunk, __m256i high, int j, int s) {
-    return _mm256_or_si256(Q4::unpack(chunk, s), fifth_bit(high, j, s));
-  }
-};
-
-struct Q8 {
-  static constexpr PackedWeight::Format kFormat = PackedWeight::Format::kQ8;
-  static constexpr bool kSuper = false;
-  static constexpr int kSlots = 2, kChunks = 8;
-  static constexpr bool kHasMins = false, kHigh = false;
-  static __m256i unpack(__m256i chunk, int s) {
-    if (s == 0) return _mm256_srai_epi16(_mm256_slli_epi16(chunk, 8), 8);
-    return _mm256_srai_epi16(chunk, 8);
-  }
-  static __m256i code(__m256i chunk, __m256i, int, int s) { return unpack(chunk, s); }
-};
-
-// The k-quants (packed_gemm.h): a group's low nibbles are Q4's chunks, and `code(chunk, high, j, s)`
-// adds the high bits of pair b = 4 j + s from the group's high chunks. kSubBlocks: scales per group of
-// 32 (Q6_K's sub-blocks are 16 inputs, two nibble chunks); kSignedScales: Q6_K's int8 scales; kOffset:
-// subtracted from each code (Q6_K's 32), where Q4_K and Q5_K have mins.
-template <PackedWeight::Format F, int HighChunks, int SubBlocks, bool SignedScales, int Offset>
-struct KQuant {
-  static constexpr PackedWeight::Format kFormat = F;
-  static constexpr bool kSuper = true;
-  static constexpr int kHighChunks = HighChunks, kSubBlocks = SubBlocks;
-  static constexpr bool kSignedScales = SignedScales, kHasMins = Offset == 0;
-  static __m256i code(__m256i chunk, const __m256i* high, int j, int s) {
-    const __m256i low = Q4::unpack(chunk, s);
-    const int b = 4 * j + s;
-    if constexpr (HighChunks == 0) {
-      return low;
-    } else if constexpr (HighChunks == 1) {  // bit b of the lane is the code's bit 4
-      return _mm256_or_si256(low, fifth_bit(high[0], j, s));
-    } else {  // bits 2 (b % 8) and the next of chunk b / 8 are the code's bits 4 and 5
-      const int at = 2 * (b % 8);
-      const __m256i c = high[b / 8];
-      const __m256i h = at >= 4 ? _mm256_srli_epi16(c, at - 4) : _mm256_slli_epi16(c, 4 - at);
-      return _mm256_sub_epi16(_mm256_or_si256(low, _mm256_and_si256(h, _mm256_set1_epi16(0x30))),
-                              _mm256_set1_epi16(Offset));
-    }
-  }
-};
-using Q4K = KQuant<PackedWeight::Format::kQ4K, 0, 1, false, 0>;
-using Q5K = KQuant<PackedWeight::Format::kQ5K, 1, 1, false, 0>;
-using Q6K = KQuant<PackedWeight::Format::kQ6K, 2, 2, true, 32>;
 
 // How a pair's products join a group's int32 sums: sum + (w0 * x0 + w1 * x1) per column lane, exact
 // (no lane reaches 2^31: a group's 32 products of codes under 2^8 and 2^15).
@@ -169,33 +87,25 @@ struct Vnni {  // AVX-512 VNNI and VL: one vpdpwssd
   }
 };
 
-// Whether this process multiplies with Vnni: the CPU (and its OS) has AVX-512 VNNI and VL, and
-// STEPAHEAD_MAX_CPU_ISA does not say avx2. Decided once: it cannot change while a process runs.
-bool use_vnni() {
-  static const bool vnni = [] {
-    const char* cap = std::getenv("STEPAHEAD_MAX_CPU_ISA");
-    if (cap != nullptr && std::string(cap) == "avx2") return false;
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
-  }();
-  return vnni;
-}
+// What this process multiplies with, decided once (it cannot change while a process runs): the widest
+// the CPU (and its OS) has, capped by STEPAHEAD_MAX_CPU_ISA ("avx2" or "avx512_vnni"). kVnni: AVX-512
+// VNNI and VL, vpdpwssd on 256-bit vectors; kZmm: also AVX-512 F and BW, two tiles per 512-bit vector
+// (packed_gemm_zmm.cpp). Every level gives the same bits.
+enum class Isa { kAvx2, kVnni, kZmm };
 
-// A tile's sums into y: rounded to bfloat16 values, plus the bias, added to y where out accumulates.
-template <int R, int C>
-inline void store(const __m256 (&acc)[R][C], int64_t row, const PackedWeight& w, const Output& out, int64_t t) {
-  for (int c = 0; c < C; ++c) {
-    const int64_t n = (t + c) * kTileColumns, columns = std::min(kTileColumns, w.N - n);
-    for (int r = 0; r < R; ++r) {
-      alignas(32) float v[kTileColumns];
-      _mm256_store_ps(v, round_to_bf16(acc[r][c]));
-      float* y = out.y + (row + r) * (out.stride ? out.stride : w.N) + n;
-      for (int64_t i = 0; i < columns; ++i) {
-        const float value = w.bias != nullptr ? v[i] + w.bias[n + i] : v[i];
-        y[i] = out.accumulate ? y[i] + value : value;
-      }
-    }
-  }
+Isa isa() {
+  static const Isa chosen = [] {
+    const char* cap_env = std::getenv("STEPAHEAD_MAX_CPU_ISA");
+    const std::string cap = cap_env != nullptr ? cap_env : "";
+    __builtin_cpu_init();
+    const bool vnni = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
+    const bool zmm = vnni && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                     zmm_block_runner(PackedWeight::Format::kQ4) != nullptr;
+    if (cap == "avx2" || !vnni) return Isa::kAvx2;
+    if (cap == "avx512_vnni" || !zmm) return Isa::kVnni;
+    return Isa::kZmm;
+  }();
+  return chosen;
 }
 
 // y[row .. row + R) x the columns of tiles t .. t + C (eight each, lanes = columns). Per group, the
@@ -352,8 +262,6 @@ __attribute__((noinline)) void ktile(const QuantizedRows& xq, int64_t row, const
   store<R, C>(acc, row, w, out, t);
 }
 
-using TileFn = void (*)(const QuantizedRows&, int64_t, const PackedWeight&, const Output&, int64_t);
-
 template <typename F, typename A, int R, int C>
 constexpr TileFn tile_for() {
   if constexpr (F::kSuper) return ktile<F, A, R, C>;
@@ -384,8 +292,6 @@ void block_of(const PackedWeight& w, const QuantizedRows& xq, int64_t M, int64_t
   if (i < count) warm(), one_tile[M - row](xq, row, w, out, t + i);
 }
 
-using BlockFn = void (*)(const PackedWeight&, const QuantizedRows&, int64_t, int64_t, int64_t, const Output&, Warmer*);
-
 template <typename A>
 BlockFn block_runner_for(PackedWeight::Format format) {
   switch (format) {
@@ -399,8 +305,18 @@ BlockFn block_runner_for(PackedWeight::Format format) {
   TORCH_CHECK(false, "unknown packed weight format");
 }
 
-BlockFn block_runner(PackedWeight::Format format, bool vnni) {
-  return vnni ? block_runner_for<Vnni>(format) : block_runner_for<MaddAdd>(format);
+// A work item's function for blocks of two tiles (pairs) and for an odd block's last tile (single).
+struct BlockRunners {
+  BlockFn pairs, single;
+};
+
+BlockRunners block_runners(PackedWeight::Format format, Isa level) {
+  switch (level) {
+    case Isa::kAvx2: return {block_runner_for<MaddAdd>(format), block_runner_for<MaddAdd>(format)};
+    case Isa::kVnni: return {block_runner_for<Vnni>(format), block_runner_for<Vnni>(format)};
+    case Isa::kZmm: return {zmm_block_runner(format), block_runner_for<Vnni>(format)};
+  }
+  TORCH_CHECK(false, "unknown instruction set");
 }
 
 // y = x W^T: the rows quantized, then the column blocks, shared by the threads of one region.
@@ -495,8 +411,7 @@ void multiply(Team::Member& me, const PackedWeight& w, const QuantizedRows& x, i
   // panel for a decode step's few rows).
   const int64_t panel = std::max<int64_t>(4, kPanelBytes / (2 * w.K) / 4 * 4);
   const int64_t panels = (M + panel - 1) / panel, items = panels * blocks;
-  const bool vnni = use_vnni();
-  const auto run_block = block_runner(w.format, vnni);
+  const BlockRunners runners = block_runners(w.format, isa());
   me.share(items, claim_size(items, me.members()), [&](int64_t item) {
     const int64_t first = item / blocks * panel, block = item % blocks;
     const int64_t t = block * kTilesPerBlock, count = std::min(kTilesPerBlock, tiles - t);
@@ -504,7 +419,8 @@ void multiply(Team::Member& me, const PackedWeight& w, const QuantizedRows& x, i
                              x.sums + first * (x.row_stride / kGroup), x.row_stride};
     const int64_t stride = out.stride ? out.stride : w.N;
     const Output panel_out{out.y + first * stride, out.accumulate, stride};
-    run_block(w, rows, std::min(panel, M - first), t, count, panel_out, warmer);
+    const BlockFn run = count == kTilesPerBlock ? runners.pairs : runners.single;
+    run(w, rows, std::min(panel, M - first), t, count, panel_out, warmer);
   });
 }
 
@@ -541,7 +457,14 @@ PackedParts packed_parts(const std::vector<at::Tensor>& tiles, const at::Tensor&
   return out;
 }
 
-std::string packed_gemm_isa() { return use_vnni() ? "avx512_vnni" : "avx2"; }
+std::string packed_gemm_isa() {
+  switch (isa()) {
+    case Isa::kAvx2: return "avx2";
+    case Isa::kVnni: return "avx512_vnni";
+    case Isa::kZmm: return "avx512";
+  }
+  TORCH_CHECK(false, "unknown instruction set");
+}
 
 at::Tensor packed_gemm(const at::Tensor& x, const at::Tensor& tiles, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be a 2-D float32 tensor");

@@ -192,7 +192,7 @@ def test_int8_linear_runs_q8_0_on_the_kernel_and_per_row_codes_on_torchs():
     assert Int8Linear(quantize_int8_rows(torch.randn(48, 128))).kernel == "torch"  # one scale per row
 
 
-_AVX2_RUN = """
+_CAPPED_RUN = """
 import sys, torch
 from stepahead.kernels import cpu_packed
 cases = torch.load(sys.argv[1])
@@ -201,21 +201,27 @@ torch.save((cpu_packed.instruction_set(), out), sys.argv[2])
 """
 
 
+def products_capped_at(cap: str, cases: list, tmp_path) -> list[torch.Tensor]:
+    """packed_gemm(x, tiles, n) for each case, in a process whose instruction set is capped at `cap`
+    (STEPAHEAD_MAX_CPU_ISA: "avx2" or "avx512_vnni")."""
+    torch.save(cases, tmp_path / "cases.pt")
+    env = {**os.environ, "STEPAHEAD_MAX_CPU_ISA": cap}
+    subprocess.run([sys.executable, "-c", _CAPPED_RUN, str(tmp_path / "cases.pt"), str(tmp_path / f"{cap}.pt")],
+                   env=env, check=True, timeout=300)
+    isa, products = torch.load(tmp_path / f"{cap}.pt")
+    assert isa == cap
+    return products
+
+
 def products_capped_at_avx2(cases: list, tmp_path) -> list[torch.Tensor]:
     """packed_gemm(x, tiles, n) for each case, in a process capped at AVX2 (STEPAHEAD_MAX_CPU_ISA)."""
-    torch.save(cases, tmp_path / "cases.pt")
-    env = {**os.environ, "STEPAHEAD_MAX_CPU_ISA": "avx2"}
-    subprocess.run([sys.executable, "-c", _AVX2_RUN, str(tmp_path / "cases.pt"), str(tmp_path / "avx2.pt")],
-                   env=env, check=True, timeout=300)
-    isa, avx2 = torch.load(tmp_path / "avx2.pt")
-    assert isa == "avx2"
-    return avx2
+    return products_capped_at("avx2", cases, tmp_path)
 
 
 def test_vnni_and_avx2_multiply_to_the_same_bits(tmp_path):
     """vpdpwssd here, vpmaddwd and vpaddd in a process capped at AVX2 (STEPAHEAD_MAX_CPU_ISA): every
     tile shape (one to four rows, one or two tiles, panels), both formats, the same bits."""
-    if cpu_packed.instruction_set() != "avx512_vnni":
+    if cpu_packed.instruction_set() == "avx2":
         pytest.skip("needs a CPU with AVX-512 VNNI, where the kernels multiply with vpdpwssd")
     q4, q8 = _weight(70, 576), _q8_0(70, 576)
     cases = []

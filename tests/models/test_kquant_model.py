@@ -1,6 +1,7 @@
 """Whole tiny models from GGUF files holding k-quants (written here: tests/models/kquant_blocks.py),
 each tensor packed in its own format, against the same file loaded dense in float32; the model cache
-keeping the k-quant codes; dense fallback where a projection's parts differ or a tensor is F16."""
+keeping the k-quant codes; dense fallback where a projection's parts differ or a tensor is F16; a decode
+step over parts packed differently the same on every instruction set the GEMM can choose."""
 
 from __future__ import annotations
 
@@ -162,3 +163,48 @@ def test_a_decode_step_over_mixed_formats_in_one_call_is_the_layers_step_bitwise
     assert torch.equal(_step(model, in_one_call, rows, ids), _layers_step(model, by_layers, rows, ids))
     for a, b in zip(in_one_call.k + in_one_call.v, by_layers.k + by_layers.v, strict=True):
         assert torch.equal(a, b)
+
+
+_CAPPED_STEP = """
+import sys, torch
+from stepahead.attention.rows import BatchRow
+from stepahead.kernels import cpu_packed
+from stepahead.models.loading.loader import load_model, load_model_config
+from tests.kernels.test_cpu_decode_stack import _random_cache, _step
+model = load_model(load_model_config(sys.argv[1], "cpu", quantization="auto", use_cache=False), "cpu")
+assert model.decode_stack is not None
+rows = [BatchRow(i, 1, 3 + 5 * i, [i, 20 + i, 40 - i]) for i in range(int(sys.argv[2]))]
+ids = torch.arange(11, 11 + len(rows))
+torch.save((cpu_packed.instruction_set(), _step(model, _random_cache(model, 0, blocks=48), rows, ids)), sys.argv[3])
+"""
+
+
+@pytest.mark.parametrize("rows", [5, 9])
+def test_a_decode_step_over_parts_packed_differently_is_the_same_on_every_instruction_set(kquant_gguf, rows,
+                                                                                          tmp_path):
+    """DecodeStack's projections (PackedParts of Q4_K beside Q6_K, Q5_K beside Q4_K) and packed head
+    in this process and in processes capped at 256-bit VNNI and at AVX2: the same logits, bitwise."""
+    import os
+    import subprocess
+    import sys
+
+    from stepahead.kernels import cpu_packed
+
+    if cpu_packed.instruction_set() == "avx2":
+        pytest.skip("this process multiplies with AVX2: nothing wider to compare")
+    path = kquant_gguf(PARTS_MIX)
+    outputs = {}
+    for cap in ("", "avx512_vnni", "avx2"):
+        env = {k: v for k, v in os.environ.items() if k != "STEPAHEAD_MAX_CPU_ISA"}
+        if cap:
+            env["STEPAHEAD_MAX_CPU_ISA"] = cap
+        out = tmp_path / f"step-{cap or 'widest'}.pt"
+        subprocess.run([sys.executable, "-c", _CAPPED_STEP, str(path), str(rows), str(out)], env=env, check=True,
+                       timeout=600)
+        outputs[cap or "widest"] = torch.load(out)
+    isas = [isa for isa, _ in outputs.values()]
+    assert isas[1:] == ["avx512_vnni", "avx2"] and isas[0] == cpu_packed.instruction_set()
+    widest = outputs["widest"][1]
+    assert bool(widest.isfinite().all())
+    for isa, logits in outputs.values():
+        assert torch.equal(logits, widest), isa
