@@ -8,33 +8,14 @@ import json
 
 import pytest
 
-from stepahead.models.loading.loader import load_model_config, load_tokenizer
 from stepahead.request import Request
 from stepahead.sampling_params import SamplingParams
 from stepahead.sampling_params import StructuredOutputsParams as Constraint
-from stepahead.structured_output import StructuredOutputManager
 from stepahead.structured_output.reasoning_gate import Phase, ReasoningGate
 from stepahead.validation import InvalidInputError
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
           "additionalProperties": False}
-
-
-@pytest.fixture(scope="module")
-def model_config():
-    return load_model_config(None, "cpu")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_config):
-    return load_tokenizer(model_config)
-
-
-@pytest.fixture
-def manager(model_config, tokenizer):
-    m = StructuredOutputManager(lambda: tokenizer, model_config.vocab_size, [model_config.eos_token_id])
-    yield m
-    m.shutdown()
 
 
 def _ids(tokenizer, text: str) -> list[int]:
