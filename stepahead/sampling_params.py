@@ -20,6 +20,8 @@ MAX_LOGIT_BIAS = 100.0
 # smaller one overflows to inf and the softmax to NaN (vLLM's two thresholds).
 SAMPLING_EPS = 1e-5
 _MIN_TEMPERATURE = 1e-2
+# A reasoning marker ("<think>", "</think>") is a few tokens at most.
+_MAX_MARKER_TOKENS = 16
 
 
 @dataclass
@@ -37,6 +39,12 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    # With a reasoning model (the server's --reasoning-parser sets them): the grammar constrains only what
+    # follows the end-of-reasoning marker, these token ids; None: it constrains the output from its first
+    # token. reasoning_start_token_ids: the output is reasoning only if it opens with these (qwen3); None:
+    # it begins in reasoning (deepseek_r1). See structured_output/reasoning_gate.py.
+    reasoning_end_token_ids: list[int] | None = None
+    reasoning_start_token_ids: list[int] | None = None
 
     KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -60,6 +68,15 @@ class StructuredOutputsParams:
                 check_spec_chars(len(text), what)
         if self.choice is not None:
             check_spec_chars(sum(len(c) for c in self.choice), "choice list")
+        for name in ("reasoning_end_token_ids", "reasoning_start_token_ids"):
+            ids = getattr(self, name)
+            if ids is not None and not (isinstance(ids, list) and ids and len(ids) <= _MAX_MARKER_TOKENS and all(
+                    isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)):
+                raise InvalidInputError(f"structured_outputs: {name} must be a list of 1 to {_MAX_MARKER_TOKENS} "
+                                        f"token ids, got {shorten(repr(ids))}", param="structured_outputs")
+        if self.reasoning_start_token_ids is not None and self.reasoning_end_token_ids is None:
+            raise InvalidInputError("structured_outputs: reasoning_start_token_ids needs reasoning_end_token_ids",
+                                    param="structured_outputs")
 
     @property
     def kind(self) -> str:
@@ -187,6 +204,10 @@ class SamplingParams:
         checked: tuple[tuple[str, Iterable[int]], ...] = (
             ("stop_token_ids", self.stop_token_ids or ()), ("logit_bias", self.logit_bias or ()),
             ("allowed_token_ids", self.allowed_token_ids or ()))
+        grammar = self.structured_outputs
+        if grammar is not None:  # the gate's markers index the grammar's bitmask
+            checked += (("structured_outputs", [*(grammar.reasoning_end_token_ids or ()),
+                                                *(grammar.reasoning_start_token_ids or ())]),)
         for name, ids in checked:
             out_of_vocab = [token_id for token_id in ids if token_id >= vocab_size][:8]
             check_field(not out_of_vocab, name, out_of_vocab, f"must be token ids in [0, {vocab_size})")

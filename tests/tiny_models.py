@@ -160,6 +160,33 @@ def build_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **overrid
     return folder
 
 
+def build_scripted_model(folder: Path, successors: dict[int, int]) -> Path:
+    """A tiny Llama that says a fixed text: a bigram model whose greedy next token after `a` is
+    successors[a]. Every layer adds nothing to the residual stream (o_proj and down_proj are zero), so
+    the last hidden state is the token's own embedding, and the head scores b by the normalized
+    embedding of its predecessor (random 64-wide embeddings are near orthogonal: a margin of tens of
+    logits). Chain the successors to script an output; after a token without one the logits are near
+    zero, so a grammar there chooses among equals."""
+    import torch
+    import transformers
+
+    folder = Path(folder)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config("llama"), dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        embeddings = model.model.embed_tokens.weight
+        head = torch.zeros_like(model.lm_head.weight)
+        for a, b in successors.items():
+            head[b] = 10.0 * embeddings[a] / embeddings[a].norm()
+        model.lm_head.weight.copy_(head)
+    model.save_pretrained(folder)
+    write_tokenizer(folder)
+    return folder
+
+
 def llm_greedy(folder: Path, prompts: list[list[int]], max_tokens: int, **engine) -> list[list[int]]:
     """stepahead's greedy token ids through LLM (in-process executor), for comparison with hf_greedy."""
     from stepahead import LLM, SamplingParams

@@ -82,10 +82,17 @@ class LLM:
         messages: Conversation | Sequence[Conversation],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation (a list of {"role", "content"} dicts) or a list of them."""
+        """Generate replies to one conversation (a list of {"role", "content"} dicts) or a list of them.
+
+        vLLM's keywords: `chat_template` replaces the tokenizer's, `tools` (OpenAI function tools) reach the
+        template as its `tools` variable, `continue_final_message` continues the last (assistant) message
+        instead of opening a new turn, and `chat_template_kwargs` are more template variables."""
         if not messages:
             raise InvalidInputError("messages must be a non-empty conversation or a list of conversations",
                                     param="messages")
@@ -93,7 +100,9 @@ class LLM:
         conversations = [cast(Conversation, messages)] if isinstance(messages[0], dict) \
             else list(cast(Sequence[Conversation], messages))
         prompts: list[PromptType] = [
-            self.apply_chat_template(conversation, add_generation_prompt, chat_template_kwargs)
+            self.apply_chat_template(conversation, add_generation_prompt, chat_template_kwargs,
+                                     chat_template=chat_template, continue_final_message=continue_final_message,
+                                     tools=tools)
             for conversation in conversations]
         params_list = self._params_list(sampling_params, len(prompts))
         return self._run(prompts, params_list, use_tqdm)
@@ -126,15 +135,36 @@ class LLM:
         conversation: Conversation,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        *,
+        chat_template: str | None = None,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
-        """A prompt dict (token ids and text) for one conversation, rendered by the tokenizer's template."""
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            raise InvalidInputError("this model's tokenizer has no chat template; use generate() with a plain prompt",
-                                    param="messages")
-        text = self.tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
-            **(chat_template_kwargs or {}),
-        )
+        """A prompt dict (token ids and text) for one conversation, rendered by the chat template."""
+        if chat_template is None and getattr(self.tokenizer, "chat_template", None) is None:
+            raise InvalidInputError("this model's tokenizer has no chat template; pass chat_template= or use "
+                                    "generate() with a plain prompt", param="messages")
+        if add_generation_prompt and continue_final_message:
+            raise InvalidInputError("continue_final_message and add_generation_prompt cannot both be true "
+                                    "(pass add_generation_prompt=False to continue the last message)",
+                                    param="continue_final_message")
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise InvalidInputError(f"tools must be a list of tool objects (dicts), got {type(tools).__name__}",
+                                    param="tools")
+        kwargs = dict(chat_template_kwargs or {})
+        reserved = sorted({"tools", "chat_template", "tokenize", "add_generation_prompt",
+                           "continue_final_message"} & set(kwargs))
+        if reserved:
+            raise InvalidInputError(f"chat_template_kwargs may not set {reserved}: they are chat()'s own arguments",
+                                    param="chat_template_kwargs")
+        if tools:
+            kwargs["tools"] = tools
+        if chat_template is not None:
+            kwargs["chat_template"] = chat_template
+        if continue_final_message:
+            kwargs["continue_final_message"] = True
+        text = self.tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt, **kwargs)
         # The template already holds any special tokens the model expects; do not add a BOS twice.
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         return {"prompt_token_ids": ids, "prompt": text}

@@ -5,7 +5,9 @@ other requests keep running. Equal specs share one compile (an LRU of futures). 
 only with tokens that became the request's output (update_from_output hands it exactly those), so
 its state always equals the output so far: a preempted request resumes with its matcher as it was,
 stale output is accepted when delivered and dropped output never reaches it. Nothing is ever
-accepted ahead of the output, so nothing needs rolling back.
+accepted ahead of the output, so nothing needs rolling back. A request with a reasoning gate
+(reasoning_gate.py) hands its matcher only the tokens after its reasoning, and its rows allow every
+token until then.
 
 A failure is the request's own: a compile that fails or outlasts MAX_COMPILE_S, or a matcher that
 raises, fails that request with the reason, and the others go on.
@@ -27,6 +29,7 @@ import numpy as np
 from stepahead.request import Request
 from stepahead.structured_output.compiler import GrammarCompiler
 from stepahead.structured_output.grammar_spec import GrammarSpec, compiler_message, grammar_spec
+from stepahead.structured_output.reasoning_gate import ReasoningGate
 
 MAX_CACHED_GRAMMARS = 128
 # A request whose grammar has not compiled this long after it arrived fails (the compile itself cannot
@@ -42,6 +45,7 @@ class RequestGrammar:
     deadline: float  # time.monotonic() by which the compile must have finished
     matcher: Any = None  # xgrammar GrammarMatcher, made on first use
     num_accepted_tokens: int = 0
+    reasoning: ReasoningGate | None = None  # the grammar waits for the reasoning to end
 
 
 class StructuredOutputManager:
@@ -76,7 +80,8 @@ class StructuredOutputManager:
             while len(self._cache) > MAX_CACHED_GRAMMARS:
                 self._cache.popitem(last=False)
         self._cache.move_to_end(spec)
-        request.structured_output = RequestGrammar(future, time.monotonic() + MAX_COMPILE_S)
+        request.structured_output = RequestGrammar(future, time.monotonic() + MAX_COMPILE_S,
+                                                   reasoning=ReasoningGate.of(params))
 
     @staticmethod
     def is_ready(request: Request) -> bool:
@@ -110,6 +115,10 @@ class StructuredOutputManager:
     def accept_tokens(self, request: Request, token_ids: list[int]) -> bool:
         """Advance the matcher; False if the grammar rejects a token (the request then fails)."""
         grammar = request.structured_output
+        if grammar.reasoning is not None:
+            token_ids = grammar.reasoning.feed(token_ids)
+            if not token_ids:
+                return True
         matcher = self._matcher(grammar)
         for token_id in token_ids:
             if not matcher.accept_token(token_id):
@@ -133,7 +142,19 @@ class StructuredOutputManager:
         failed: dict[str, str] = {}
         live: list[int] = []
         matchers: list[Any] = []
+        forced: dict[int, int] = {}  # row -> the one token it allows (the rest of a start marker)
+        markers: dict[int, int] = {}  # row -> a start marker's first token, allowed besides the grammar's
         for i, request in enumerate(requests):
+            gate = request.structured_output.reasoning
+            if gate is not None and not gate.constrained:
+                token = gate.forced_token()
+                marker = gate.marker_token()
+                if token is not None:
+                    forced[i] = token
+                if marker is None:  # reasoning (all allowed) or a forced row: no grammar here
+                    matchers.append(None)
+                    continue
+                markers[i] = marker
             try:
                 matcher = self._matcher(request.structured_output)
                 if not matcher.is_terminated():  # a terminated one has finished
@@ -151,7 +172,14 @@ class StructuredOutputManager:
                 except Exception as e:
                     bitmask[i] = -1
                     failed[requests[i].request_id] = f"the grammar matcher failed: {e!r}"
-        return bitmask.numpy(), failed
+        rows = bitmask.numpy()
+        bits = rows.view(np.uint32)
+        for i, token in forced.items():
+            rows[i] = 0
+            bits[i, token >> 5] = np.uint32(1 << (token & 31))
+        for i, token in markers.items():
+            bits[i, token >> 5] |= np.uint32(1 << (token & 31))
+        return rows, failed
 
     def _fill(self, bitmask: Any, matchers: list[Any], live: list[int]) -> None:
         if len(live) == 1:

@@ -3,6 +3,8 @@ from __future__ import annotations
 import pytest
 
 from stepahead import LLM
+from stepahead.models.loading.loader import load_model_config, load_tokenizer
+from stepahead.structured_output import StructuredOutputManager
 
 
 @pytest.fixture(scope="module")
@@ -15,3 +17,21 @@ def smollm():
 def chat_prompt(llm: LLM, text: str) -> str:
     return llm.get_tokenizer().apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                                     add_generation_prompt=True)
+
+
+@pytest.fixture(scope="module")
+def model_config():
+    return load_model_config(None, "cpu")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_config):
+    """The built-in model's real tokenizer, without the model."""
+    return load_tokenizer(model_config)
+
+
+@pytest.fixture
+def manager(model_config, tokenizer):
+    m = StructuredOutputManager(lambda: tokenizer, model_config.vocab_size, [model_config.eos_token_id])
+    yield m
+    m.shutdown()

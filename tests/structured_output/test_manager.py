@@ -5,32 +5,11 @@ from __future__ import annotations
 
 import threading
 
-import pytest
-
 from stepahead.config import CacheConfig, SchedulerConfig
 from stepahead.core.scheduler import Scheduler
-from stepahead.models.loading.loader import load_model_config, load_tokenizer
 from stepahead.request import Request, RequestStatus
 from stepahead.sampling_params import SamplingParams
 from stepahead.sampling_params import StructuredOutputsParams as Constraint
-from stepahead.structured_output import StructuredOutputManager
-
-
-@pytest.fixture(scope="module")
-def model_config():
-    return load_model_config(None, "cpu")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_config):
-    return load_tokenizer(model_config)
-
-
-@pytest.fixture
-def manager(model_config, tokenizer):
-    m = StructuredOutputManager(lambda: tokenizer, model_config.vocab_size, [model_config.eos_token_id])
-    yield m
-    m.shutdown()
 
 
 def _request(rid: str, constraint: Constraint | None = None) -> Request:

@@ -153,6 +153,54 @@ def _response_format(req: ResponsesRequest) -> ResponseFormat | None:
                    400, "text")
 
 
+OUTPUT_LOGPROBS = "message.output_text.logprobs"  # the one `include` value served
+REASONING_EFFORTS = ("minimal", "low", "medium", "high")
+SERVICE_TIERS = ("auto", "default")
+
+
+def _refuse(field: str, why: str) -> APIError:
+    return APIError(f"{field}: {why}", 400, field.split(".")[0].split("[")[0])
+
+
+def check_served(req: ResponsesRequest) -> None:
+    """Every field is honoured or refused here by name: nothing is accepted and ignored."""
+    extra = sorted({*(req.model_extra or {}),
+                    *(f"text.{k}" for k in ((req.text.model_extra if req.text else None) or {})),
+                    *(f"reasoning.{k}" for k in ((req.reasoning.model_extra if req.reasoning else None) or {}))})
+    if extra:
+        raise APIError(f"unsupported fields: {shorten(repr(extra))} (this server refuses fields it does not serve)",
+                       400, extra[0].split(".")[0])
+    reasoning = req.reasoning
+    if reasoning is not None:
+        if reasoning.effort is not None and reasoning.effort not in REASONING_EFFORTS:
+            raise _refuse("reasoning.effort", f"must be one of {list(REASONING_EFFORTS)}, got "
+                                              f"{shorten(repr(reasoning.effort))}")
+        for name in ("summary", "generate_summary"):
+            if getattr(reasoning, name) is not None:
+                raise _refuse(f"reasoning.{name}", "reasoning summaries are not made by this server")
+    if req.truncation not in (None, "disabled"):
+        raise _refuse("truncation", f"only 'disabled' is served (a prompt too long is a 400), got "
+                                    f"{shorten(repr(req.truncation))}")
+    for i, value in enumerate(req.include or ()):
+        if value != OUTPUT_LOGPROBS:
+            raise _refuse(f"include[{i}]", f"only {OUTPUT_LOGPROBS!r} is served, got {shorten(repr(value))}")
+    if req.service_tier not in (None, *SERVICE_TIERS):
+        raise _refuse("service_tier", f"must be one of {list(SERVICE_TIERS)}, got {shorten(repr(req.service_tier))}")
+    if req.text is not None and req.text.verbosity not in (None, "medium"):
+        raise _refuse("text.verbosity", f"only 'medium' is served, got {shorten(repr(req.text.verbosity))}")
+    if req.stream_options and any(v for v in req.stream_options.values()):
+        raise _refuse("stream_options", f"no stream option is served (events are not obfuscated), got "
+                                        f"{shorten(repr(req.stream_options))}")
+    for name in ("max_tool_calls", "conversation", "prompt"):
+        if getattr(req, name) is not None:
+            raise _refuse(name, "not served by this server")
+
+
+def wants_logprobs(req: ResponsesRequest) -> bool:
+    """Output text logprobs: asked for with include, or by top_logprobs (their count)."""
+    return OUTPUT_LOGPROBS in (req.include or ()) or req.top_logprobs is not None
+
+
 def chat_request(req: ResponsesRequest, history: list[ChatMessage]) -> tuple[ChatCompletionRequest, list[ChatMessage]]:
     """The chat completion the request runs as, and the conversation to store with its output
     (history and input, without the instructions, which do not carry over)."""
@@ -161,10 +209,14 @@ def chat_request(req: ResponsesRequest, history: list[ChatMessage]) -> tuple[Cha
     if req.instructions:
         messages = [ChatMessage(role="system", content=req.instructions), *conversation]
     stream_options = StreamOptions(include_usage=True) if req.stream else None
+    effort = req.reasoning.effort if req.reasoning is not None else None
+    logprobs = wants_logprobs(req)
     chat = ChatCompletionRequest(
         model=req.model, messages=messages, max_completion_tokens=req.max_output_tokens,
         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
         tools=chat_tools(req.tools), tool_choice=chat_tool_choice(req.tool_choice),
         parallel_tool_calls=req.parallel_tool_calls, stream=req.stream, stream_options=stream_options,
-        response_format=_response_format(req), user=req.user)
+        response_format=_response_format(req), user=req.user,
+        chat_template_kwargs={"reasoning_effort": effort} if effort is not None else None,
+        logprobs=logprobs, top_logprobs=(req.top_logprobs or 0) if logprobs else None)
     return chat, conversation

@@ -27,6 +27,16 @@ class TextFormat(OpenAIRequest):
 
 class TextConfig(OpenAIRequest):
     format: TextFormat | None = None
+    verbosity: str | None = None  # only "medium" (what any model does unasked) is served
+
+
+class ReasoningConfig(OpenAIRequest):
+    """`reasoning`: effort reaches the chat template as `reasoning_effort` (as vLLM passes it); summaries
+    of the reasoning are not made, so asking for one is a 400."""
+
+    effort: str | None = None
+    summary: str | None = None
+    generate_summary: str | None = None  # summary's older name
 
 
 class ResponsesRequest(OpenAIRequest):
@@ -48,3 +58,16 @@ class ResponsesRequest(OpenAIRequest):
     text: TextConfig | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    reasoning: ReasoningConfig | None = None
+    truncation: str | None = "disabled"  # "auto" (dropping input items to fit) is refused
+    include: list[str] | None = None  # only "message.output_text.logprobs"
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)  # OpenAI's range
+    # Declared so that each is honoured or refused by name (responses_input.check_served): hints echoed
+    # back (prompt_cache_key, safety_identifier, service_tier "auto"/"default"), or features not served.
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    service_tier: str | None = None
+    max_tool_calls: StrictInt | None = None
+    stream_options: dict[str, Any] | None = None
+    conversation: str | dict[str, Any] | None = None
+    prompt: dict[str, Any] | None = None

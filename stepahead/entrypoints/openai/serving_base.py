@@ -39,6 +39,10 @@ from stepahead.outputs import CompletionOutput, Logprob, RequestOutput
 from stepahead.sampling_params import SamplingParams
 from stepahead.validation import InvalidInputError
 
+# A streamed delta with more tokens' logprobs than this (an echoed prompt's) has them converted off the
+# event loop; a decode step's few are converted in place.
+INLINE_LOGPROB_TOKENS = 64
+
 
 @dataclass
 class Choice:
@@ -206,24 +210,40 @@ class OpenAIServing:
                     yield request_output, self.visible_completion(ctx, completion)
 
     async def _collect(self, ctx: ResponseContext, stream: RequestStream) -> JSONResponse:
-        resp = await self.collect_response(ctx, stream)
-        return JSONResponse(resp.model_dump(mode="json"))
+        deltas, prompts = await self._gather(ctx, stream)
+        return await self.offload.run(self._json_response, ctx, deltas, prompts)
+
+    def _json_response(self, ctx: ResponseContext, deltas: list[tuple[RequestOutput, CompletionOutput]],
+                       prompts: dict[str, tuple[int, int]]) -> JSONResponse:
+        return JSONResponse(self._assemble(ctx, deltas, prompts).model_dump(mode="json"))
 
     async def collect_response(self, ctx: ResponseContext, stream: RequestStream) -> BaseModel:
         """The whole response, once every choice has finished."""
-        choices: dict[int, Choice] = {}
+        deltas, prompts = await self._gather(ctx, stream)
+        return await self.offload.run(self._assemble, ctx, deltas, prompts)
+
+    async def _gather(self, ctx: ResponseContext, stream: RequestStream
+                      ) -> tuple[list[tuple[RequestOutput, CompletionOutput]], dict[str, tuple[int, int]]]:
+        """Every delta of the stream, kept as it came: building the response from them (logprobs of every
+        token, an echoed prompt's, prompt_logprobs, then the JSON) grows with the prompt and the output,
+        so `_assemble` runs it off the event loop."""
         prompts: dict[str, tuple[int, int]] = {}
         async with contextlib.aclosing(self._deltas(ctx, stream, prompts)) as deltas:
-            async for request_output, completion in deltas:
-                choice = choices.setdefault(self.choice_index(ctx, request_output, completion), self.new_choice())
-                choice.request_id = request_output.request_id
-                text = self.delta_text(ctx, choice, request_output, completion)
-                logprobs = self._take_logprobs(ctx, choice, completion, text, flush=True)
-                if logprobs is not None:
-                    self.keep_logprobs(choice, logprobs)
-                choice.text += text
-                choice.num_tokens += len(completion.token_ids)
-                choice.finish_reason, choice.stop_reason = completion.finish_reason, completion.stop_reason
+            return [delta async for delta in deltas], prompts
+
+    def _assemble(self, ctx: ResponseContext, deltas: list[tuple[RequestOutput, CompletionOutput]],
+                  prompts: dict[str, tuple[int, int]]) -> BaseModel:
+        choices: dict[int, Choice] = {}
+        for request_output, completion in deltas:
+            choice = choices.setdefault(self.choice_index(ctx, request_output, completion), self.new_choice())
+            choice.request_id = request_output.request_id
+            text = self.delta_text(ctx, choice, request_output, completion)
+            logprobs = self._take_logprobs(ctx, choice, completion, text, flush=True)
+            if logprobs is not None:
+                self.keep_logprobs(choice, logprobs)
+            choice.text += text
+            choice.num_tokens += len(completion.token_ids)
+            choice.finish_reason, choice.stop_reason = completion.finish_reason, completion.stop_reason
         return self.response(ctx, sorted(choices.items()), self._usage(prompts, choices))
 
     async def _stream(self, ctx: ResponseContext, stream: RequestStream) -> AsyncGenerator[str, None]:
@@ -252,7 +272,10 @@ class OpenAIServing:
                 choice.request_id = request_output.request_id
                 choice.num_tokens += len(completion.token_ids)
                 text = self.delta_text(ctx, choice, request_output, completion)
-                logprobs = self._take_logprobs(ctx, choice, completion, text, flush=False)
+                if len(completion.logprobs or ()) > INLINE_LOGPROB_TOKENS:  # an echoed prompt's: off the loop
+                    logprobs = await self.offload.run(self._take_logprobs, ctx, choice, completion, text, False)
+                else:
+                    logprobs = self._take_logprobs(ctx, choice, completion, text, flush=False)
                 final = completion.finish_reason is not None
                 body = self.delta_body(ctx, choice, text, final)
                 if body is None and logprobs is None and not final:

@@ -25,7 +25,7 @@ from stepahead.entrypoints.openai.protocol import (
     UsageInfo,
     random_id,
 )
-from stepahead.entrypoints.openai.reasoning import REASONING_PARSERS
+from stepahead.entrypoints.openai.reasoning import REASONING_PARSERS, closes_reasoning
 from stepahead.entrypoints.openai.reasoning.base import ReasoningDelta, ReasoningStream
 from stepahead.entrypoints.openai.reasoning.base import split as split_reasoning
 from stepahead.entrypoints.openai.serving_base import Choice, OpenAIServing, ResponseContext
@@ -177,6 +177,7 @@ class _ChatContext(ResponseContext):
     tool_plan: ToolPlan | None = None
     echo: str = ""  # text every choice starts with (echo)
     reasoning_parser: str | None = None  # None: the output is not split
+    reasoning_closed: bool = False  # the prompt closed the reasoning: the output is all content
 
 
 def _echoed(req: ChatCompletionRequest) -> str:
@@ -188,13 +189,6 @@ def _echoed(req: ChatCompletionRequest) -> str:
     return _flatten_content(last, len(req.messages) - 1)
 
 
-def _json_only(params) -> bool:
-    """The grammar makes the whole output JSON (a schema, json_object, required or named tool calls): it
-    holds no reasoning (the grammar here starts at the first token; vLLM's waits for the reasoning's end)."""
-    constraint = params.structured_outputs
-    return constraint is not None and constraint.kind in ("json", "json_object")
-
-
 class OpenAIServingChat(OpenAIServing):
     EMPTY_BODY = {"delta": {}}
 
@@ -204,6 +198,9 @@ class OpenAIServingChat(OpenAIServing):
         super().__init__(*args, **kwargs)
         self.tool_parser = tool_parser
         self.reasoning_parser = reasoning_parser
+        # The token ids the engine's reasoning gate waits for before a grammar applies (vLLM's rule).
+        self.reasoning_markers = REASONING_PARSERS[reasoning_parser].markers(self.engine.tokenizer) \
+            if reasoning_parser is not None else None
         self.token_bytes = TokenBytes(self.engine.tokenizer)
         self.template_sandbox = (TemplateSandbox(self.engine.config.model_config)
                                  if self.limits.trust_request_chat_template else None)
@@ -242,6 +239,12 @@ class OpenAIServingChat(OpenAIServing):
                                       req.continue_final_message, req.chat_template_kwargs, template,
                                       self.template_sandbox, req.tools)
         prompt_ids = await self.offload.run(encode_ids, tokenizer, text, req.add_special_tokens)
+        reasoning_closed = closes_reasoning(text)
+        if self.reasoning_markers is not None and params.structured_outputs is not None and not reasoning_closed:
+            # The model thinks freely; the grammar constrains only what follows its reasoning.
+            end, start = self.reasoning_markers
+            params.structured_outputs.reasoning_end_token_ids = end
+            params.structured_outputs.reasoning_start_token_ids = start
         request_id = random_id("chatcmpl")
         try:
             stream = self.add_request(req, request_id, {"prompt_token_ids": prompt_ids, "prompt": text}, params)
@@ -252,7 +255,7 @@ class OpenAIServingChat(OpenAIServing):
         ctx = _ChatContext(request_id, model_name, int(time.time()), req, self.shown_logprobs(top_logprobs),
                            "chat.completion.chunk",
                            tool_plan=plan, echo=_echoed(req),
-                           reasoning_parser=None if _json_only(params) else self.reasoning_parser)
+                           reasoning_parser=self.reasoning_parser, reasoning_closed=reasoning_closed)
         return ctx, stream
 
     @staticmethod
@@ -280,7 +283,7 @@ class OpenAIServingChat(OpenAIServing):
         delta: dict = {}
         if ctx.reasoning_parser is not None:  # reasoning first; what follows it is the content
             if choice.reasoning is None:
-                choice.reasoning = REASONING_PARSERS[ctx.reasoning_parser]()
+                choice.reasoning = REASONING_PARSERS[ctx.reasoning_parser](ctx.reasoning_closed)
             split_ = choice.reasoning.feed(text)
             if final:
                 rest = choice.reasoning.finish()
@@ -330,7 +333,8 @@ class OpenAIServingChat(OpenAIServing):
         content: str | None = choice.text
         calls: list[ToolCall] = []
         if ctx.reasoning_parser is not None:
-            reasoning, content = split_reasoning(REASONING_PARSERS[ctx.reasoning_parser](), content)
+            reasoning, content = split_reasoning(REASONING_PARSERS[ctx.reasoning_parser](ctx.reasoning_closed),
+                                                 content)
         stream = tool_stream(ctx.tool_plan, self.tool_parser)
         if stream is not None:
             content, calls = collect(stream, content)

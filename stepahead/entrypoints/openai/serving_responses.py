@@ -31,7 +31,12 @@ from stepahead.entrypoints.openai.protocol import (
     ToolCallFunction,
     random_id,
 )
-from stepahead.entrypoints.openai.responses_input import ResponseStore, StoredResponse, chat_request
+from stepahead.entrypoints.openai.responses_input import (
+    ResponseStore,
+    StoredResponse,
+    chat_request,
+    check_served,
+)
 from stepahead.entrypoints.openai.responses_protocol import ResponsesRequest
 from stepahead.entrypoints.openai.serving_chat import OpenAIServingChat
 from stepahead.entrypoints.openai.serving_utils import SSEResponse, with_cancellation
@@ -69,6 +74,9 @@ class _Reply:
             "tools": req.tools or [], "text": {"format": {"type": "text"}} if req.text is None
             else req.text.model_dump(mode="json", by_alias=True, exclude_none=True),
             "truncation": "disabled", "user": req.user, "usage": self.usage,
+            "reasoning": {"effort": req.reasoning.effort if req.reasoning else None, "summary": None},
+            "top_logprobs": req.top_logprobs, "service_tier": "default", "max_tool_calls": None,
+            "prompt_cache_key": req.prompt_cache_key, "safety_identifier": req.safety_identifier,
         }
 
     @property
@@ -84,9 +92,9 @@ def _usage(chat_usage: dict[str, Any]) -> dict[str, Any]:
             "output_tokens_details": {"reasoning_tokens": 0}}
 
 
-def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
-    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" \
-        else []
+def _message_item(item_id: str, text: str, status: str, logprobs: list | None = None) -> dict[str, Any]:
+    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}] \
+        if status == "completed" else []
     return {"type": "message", "id": item_id, "role": "assistant", "status": status, "content": content}
 
 
@@ -116,7 +124,7 @@ class OpenAIServingResponses:
         self.store = store
 
     async def create(self, req: ResponsesRequest, raw_request: Request) -> Response:
-        self.chat.model.log_ignored_fields(req)
+        check_served(req)
         if req.background:
             raise APIError("background is not supported by this server", 400, "background")
         history: list[ChatMessage] = []
@@ -139,7 +147,10 @@ class OpenAIServingResponses:
         if message.reasoning_content:
             reply.output.append(_reasoning_item(random_id("rs"), message.reasoning_content, "completed"))
         if message.content:
-            reply.output.append(_message_item(random_id("msg"), message.content, "completed"))
+            # The choice's logprobs are the whole output's; the message item's text is the content's.
+            logprobs = [entry.model_dump(mode="json") for entry in choice.logprobs.content or ()] \
+                if choice.logprobs is not None else None
+            reply.output.append(_message_item(random_id("msg"), message.content, "completed", logprobs))
         for call in message.tool_calls:
             reply.output.append(_call_item(random_id("fc"), call.id, call.function.name, call.function.arguments,
                                            "completed"))
@@ -209,6 +220,7 @@ class _OpenItem:
     text: str = ""
     call_id: str = ""
     name: str = ""
+    logprobs: list[dict[str, Any]] = field(default_factory=list)  # a message's, with include logprobs
 
 
 class _StreamedOutput:
@@ -230,7 +242,8 @@ class _StreamedOutput:
             if delta.get("reasoning_content"):
                 out += self._text("reasoning", delta["reasoning_content"])
             if delta.get("content"):
-                out += self._text("message", delta["content"])
+                logprobs = (choice.get("logprobs") or {}).get("content") or []
+                out += self._text("message", delta["content"], logprobs)
             for call in delta.get("tool_calls") or ():
                 out += self._call(call)
             if choice.get("finish_reason") == "length":
@@ -241,7 +254,7 @@ class _StreamedOutput:
         self.reply.output.append(item)
         return self.events.send("response.output_item.added", output_index=len(self.reply.output) - 1, item=item)
 
-    def _text(self, kind: str, text: str) -> list[str]:
+    def _text(self, kind: str, text: str, logprobs: list[dict[str, Any]] | None = None) -> list[str]:
         out: list[str] = []
         item = self.text_item
         if item is not None and item.kind != kind:
@@ -258,8 +271,9 @@ class _StreamedOutput:
                                             output_index=item.output_index, content_index=0,
                                             part={"type": "output_text", "text": "", "annotations": []}))
         item.text += text
+        item.logprobs += logprobs or []
         event = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
-        extra: dict[str, Any] = {"logprobs": []} if kind == "message" else {}
+        extra: dict[str, Any] = {"logprobs": logprobs or []} if kind == "message" else {}
         out.append(self.events.send(event, item_id=item.item_id, output_index=item.output_index, content_index=0,
                                     delta=text, **extra))
         return out
@@ -270,8 +284,8 @@ class _StreamedOutput:
             return []
         common = {"item_id": item.item_id, "output_index": item.output_index, "content_index": 0}
         if item.kind == "message":
-            done = _message_item(item.item_id, item.text, "completed")
-            out = [self.events.send("response.output_text.done", **common, text=item.text, logprobs=[]),
+            done = _message_item(item.item_id, item.text, "completed", item.logprobs)
+            out = [self.events.send("response.output_text.done", **common, text=item.text, logprobs=item.logprobs),
                    self.events.send("response.content_part.done", **common, part=done["content"][0])]
         else:
             done = _reasoning_item(item.item_id, item.text, "completed")

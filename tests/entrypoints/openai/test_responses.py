@@ -109,3 +109,57 @@ def test_store_keeps_the_newest():
     with pytest.raises(APIError) as e:
         store.get("r0")
     assert e.value.status == 404
+
+
+def test_output_text_logprobs_with_include_and_top_logprobs(client):
+    kw = dict(model=MODEL_NAME, input="Say hi", max_output_tokens=6, temperature=0,
+              include=["message.output_text.logprobs"], top_logprobs=2)
+    r = client.responses.create(**kw)
+    chat = _chat(client, [{"role": "user", "content": "Say hi"}], max_tokens=6, logprobs=True, top_logprobs=2)
+    logprobs = r.output[0].content[0].logprobs
+    assert [(lp.token, lp.logprob) for lp in logprobs] == \
+        [(lp.token, lp.logprob) for lp in chat.choices[0].logprobs.content]
+    assert len(logprobs) == r.usage.output_tokens and all(len(lp.top_logprobs) == 2 for lp in logprobs)
+    events = list(client.responses.create(**kw, stream=True))
+    streamed = [lp.token for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert streamed == [lp.token for lp in logprobs]
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    assert [lp.token for lp in done.logprobs] == streamed
+    plain = client.responses.create(model=MODEL_NAME, input="Say hi", max_output_tokens=6, temperature=0)
+    assert plain.output[0].content[0].logprobs == []  # not asked for
+
+
+def test_reasoning_effort_reaches_the_template():
+    from stepahead.entrypoints.openai.responses_input import chat_request
+    from stepahead.entrypoints.openai.responses_protocol import ResponsesRequest
+
+    chat, _ = chat_request(ResponsesRequest(input="hi", reasoning={"effort": "low"}), [])
+    assert chat.chat_template_kwargs == {"reasoning_effort": "low"}
+    plain, _ = chat_request(ResponsesRequest(input="hi"), [])
+    assert plain.chat_template_kwargs is None and not plain.logprobs
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"truncation": "auto"}, "truncation"),
+    ({"include": ["message.output_text.logprobs", "file_search_call.results"]}, "include"),
+    ({"reasoning": {"effort": "low", "summary": "auto"}}, "reasoning"),
+    ({"reasoning": {"effort": "extreme"}}, "reasoning"),
+    ({"service_tier": "flex"}, "service_tier"),
+    ({"max_tool_calls": 2}, "max_tool_calls"),
+    ({"conversation": "conv_1"}, "conversation"),
+    ({"text": {"verbosity": "low"}}, "text"),
+    ({"stream_options": {"include_obfuscation": True}}, "stream_options"),
+    ({"frobnicate": 1}, "frobnicate"),
+])
+def test_fields_not_served_are_400s_naming_them(client, fields, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL_NAME, input="hi", max_output_tokens=2, extra_body=fields)
+    assert e.value.body["param"] == param, e.value.body
+
+
+def test_hints_are_echoed(client):
+    r = client.responses.create(model=MODEL_NAME, input="hi", max_output_tokens=2, truncation="disabled",
+                                service_tier="auto", prompt_cache_key="k1", safety_identifier="u1",
+                                reasoning={"effort": "low"})
+    assert (r.truncation, r.prompt_cache_key, r.safety_identifier, r.reasoning.effort) == \
+        ("disabled", "k1", "u1", "low")

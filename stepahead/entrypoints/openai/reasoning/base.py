@@ -20,11 +20,11 @@ class ReasoningDelta:
 class ReasoningStream:
     """Reasoning until THINK_END, content after it. An output opening with THINK_START (dropped) is
     reasoning; otherwise `in_reasoning` says how it begins. Text that could begin a tag waits for the
-    next piece."""
+    next piece. may_open False: the prompt closed the reasoning, the output is all content."""
 
-    def __init__(self, in_reasoning: bool) -> None:
+    def __init__(self, in_reasoning: bool, may_open: bool = True) -> None:
         self._in_reasoning = in_reasoning  # how the output begins when it does not open with THINK_START
-        self._decided = False  # False: the output's start is still being read
+        self._decided = not may_open  # False: the output's start is still being read
         self._buffer = ""
 
     def feed(self, text: str) -> ReasoningDelta:

@@ -1,0 +1,94 @@
+"""A grammar constrains only what follows the reasoning, end to end, on a tiny model scripted to think
+"Maybe so.</think>" (tiny_models.build_scripted_model): the real engine, the real xgrammar bitmask in the
+worker, and `stepahead serve --reasoning-parser deepseek_r1`, which sets the gate on every grammar."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from stepahead import LLM, SamplingParams
+from stepahead.sampling_params import StructuredOutputsParams as Constraint
+from tests.entrypoints.openai.server_utils import RemoteServer
+from tests.tiny_models import build_scripted_model
+
+THOUGHT = "Maybe so."
+ASK = [{"role": "user", "content": "Hi"}]
+ANSWERS = ["yes", "no"]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+@pytest.fixture(scope="module")
+def scripted(tmp_path_factory):
+    """The model's folder, and the token ids of its chat prompt and of its scripted output."""
+    from transformers import AutoTokenizer
+
+    from tests.tiny_models import write_tokenizer
+
+    folder = tmp_path_factory.mktemp("scripted")
+    write_tokenizer(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    prompt = tokenizer.apply_chat_template(ASK, tokenize=False, add_generation_prompt=True)
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    script = tokenizer.encode(THOUGHT + "</think>", add_special_tokens=False)
+    chain = [prompt_ids[-1], *script]
+    assert len(set(chain)) == len(chain)  # a bigram model says each token's one successor
+    build_scripted_model(folder, dict(zip(chain[:-1], chain[1:], strict=True)))
+    end = tokenizer.encode("</think>", add_special_tokens=False)
+    return folder, prompt_ids, script, end
+
+
+def test_offline_the_model_thinks_then_the_grammar_answers(scripted):
+    folder, prompt_ids, script, end = scripted
+    prompt = {"prompt_token_ids": prompt_ids}
+    with LLM(str(folder), executor="uni") as llm:
+        (free,) = llm.generate(prompt, SamplingParams(max_tokens=len(script), temperature=0), use_tqdm=False)
+        assert free.outputs[0].token_ids == script  # the script, unconstrained
+        gated = SamplingParams(max_tokens=32, temperature=0,
+                               structured_outputs=Constraint(choice=ANSWERS, reasoning_end_token_ids=end))
+        ungated = SamplingParams(max_tokens=32, temperature=0, structured_outputs=Constraint(choice=ANSWERS))
+        (after, before) = llm.generate([prompt, prompt], [gated, ungated], use_tqdm=False)
+    thought, _, answer = after.outputs[0].text.partition("</think>")
+    assert thought == THOUGHT and answer in ANSWERS and after.outputs[0].finish_reason == "stop"
+    # The same grammar without the gate constrains the first token: the thought is gone.
+    assert before.outputs[0].text in ANSWERS and before.outputs[0].finish_reason == "stop"
+
+
+@pytest.fixture(scope="module")
+def client(scripted):
+    server = RemoteServer(scripted[0], "--served-model-name", "x", "--executor", "uni", "--dtype", "float32",
+                          "--reasoning-parser", "deepseek_r1", "--enable-auto-tool-choice", "--tool-call-parser",
+                          "hermes")
+    yield openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
+    server.stop()
+
+
+def _script(text: str) -> dict:
+    """What follows the reasoning, scripted by a grammar the reasoning gate holds back until then."""
+    return {"structured_outputs": {"choice": [text]}}
+
+
+def test_reasoning_and_content_apart_streamed_too(client):
+    kw = dict(model="x", messages=ASK, temperature=0, max_tokens=32, extra_body=_script("Hello there!"))
+    message = client.chat.completions.create(**kw).choices[0].message
+    assert (message.reasoning_content, message.content) == (THOUGHT, "Hello there!")
+    reasoning, content, chunks = "", "", 0
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        delta = chunk.choices[0].delta
+        reasoning += getattr(delta, "reasoning_content", None) or ""
+        content += delta.content or ""
+        chunks += 1
+    assert (reasoning, content) == (THOUGHT, "Hello there!") and chunks > 3
+
+
+def test_auto_tool_calls_are_read_after_the_reasoning(client):
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    r = client.chat.completions.create(model="x", messages=ASK, tools=TOOLS, temperature=0, max_tokens=96,
+                                       extra_body=_script(call))
+    choice = r.choices[0]
+    assert choice.message.reasoning_content == THOUGHT and choice.finish_reason == "tool_calls"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == \
+        [("get_weather", {"city": "Oslo"})]
