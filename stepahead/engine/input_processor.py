@@ -136,7 +136,7 @@ class InputProcessor:
         out_of_vocab = [token_id for token_id in prompt_ids if not 0 <= token_id < self.vocab_size]
         if out_of_vocab:
             raise InvalidInputError(
-                f"prompt_token_ids must be token ids in [0, {self.vocab_size}), got {out_of_vocab[:8]}"
+                f"prompt_token_ids must be token ids in [0, {self.vocab_size}); out of vocabulary: {out_of_vocab[:8]}"
                 + (f" and {len(out_of_vocab) - 8} more" if len(out_of_vocab) > 8 else ""),
                 param="prompt_token_ids",
             )

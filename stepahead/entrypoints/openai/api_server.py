@@ -17,11 +17,13 @@ import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
 
 from stepahead.engine.async_llm import AsyncLLM
 from stepahead.entrypoints.engine_flags import engine_args_from_namespace
@@ -54,6 +56,7 @@ from stepahead.entrypoints.openai.serving_chat import OpenAIServingChat, message
 from stepahead.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from stepahead.entrypoints.openai.serving_responses import OpenAIServingResponses
 from stepahead.entrypoints.openai.serving_utils import ServedModel, encode_ids
+from stepahead.entrypoints.openai.tokenizer_info import tokenizer_info
 
 logger = logging.getLogger("stepahead.entrypoints.openai")
 
@@ -61,6 +64,7 @@ DEAD_ENGINE_EXIT_DELAY_S = 2.0  # lets in-flight error responses and a /health p
 # After the drain deadline has cut the requests still running, time for their 503s to go out.
 DRAIN_GRACE_S = 2.0
 API_KEY_ENV = "STEPAHEAD_API_KEY"
+BaseModelT = TypeVar("BaseModelT", bound=BaseModel)
 
 
 def stepahead_version() -> str:
@@ -82,11 +86,13 @@ def build_app(engine: AsyncLLM, model: ServedModel, api_key: str | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, tool_parser: str | None = None,
               reasoning_parser: str | None = None,
               max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
-              enable_prompt_tokens_details: bool = False, metrics_prefix: str = "stepahead") -> FastAPI:
+              enable_prompt_tokens_details: bool = False, metrics_prefix: str = "stepahead",
+              return_tokens_as_token_ids: bool = False, enable_tokenizer_info_endpoint: bool = False) -> FastAPI:
     """tool_parser: the --tool-call-parser for tool_choice "auto"; None refuses "auto". reasoning_parser:
     the --reasoning-parser; None leaves the output whole. max_stored_responses: /v1/responses kept for
     previous_response_id. enable_prompt_tokens_details: usage counts the prompt tokens the prefix cache
-    held. metrics_prefix: "stepahead" or "vllm", the metric families' prefix."""
+    held. metrics_prefix: "stepahead" or "vllm", the metric families' prefix. return_tokens_as_token_ids:
+    the default of the request field. enable_tokenizer_info_endpoint: serve GET /tokenizer_info."""
     state = state or ServerState()
     limits = limits or RequestLimits(model.max_model_len,
                                      default_max_sequences(engine.config.scheduler_config.max_num_seqs))
@@ -100,9 +106,10 @@ def build_app(engine: AsyncLLM, model: ServedModel, api_key: str | None = None,
                             engine.config.cache_config, engine.config.scheduler_config.max_num_batched_tokens)
     engine.stats_listeners.append(metrics.record)
     offload = Offload()
-    completions = OpenAIServingCompletion(engine, model, limits, offload, enable_prompt_tokens_details)
-    chat = OpenAIServingChat(engine, model, limits, offload, enable_prompt_tokens_details, tool_parser=tool_parser,
-                             reasoning_parser=reasoning_parser)
+    completions = OpenAIServingCompletion(engine, model, limits, offload, enable_prompt_tokens_details,
+                                          return_tokens_as_token_ids)
+    chat = OpenAIServingChat(engine, model, limits, offload, enable_prompt_tokens_details, return_tokens_as_token_ids,
+                             tool_parser=tool_parser, reasoning_parser=reasoning_parser)
     responses = OpenAIServingResponses(chat, ResponseStore(max_stored_responses))
     app.state.engine, app.state.metrics, app.state.server_state = engine, metrics, state
 
@@ -147,6 +154,17 @@ def build_app(engine: AsyncLLM, model: ServedModel, api_key: str | None = None,
     async def retrieve_response(response_id: str) -> Response:
         return responses.retrieve(response_id)
 
+    @app.post("/invocations", dependencies=[Depends(accepting)])
+    async def invocations(request: Request) -> Response:
+        """SageMaker's entry point, as vLLM serves it: the body's fields say which endpoint it is for."""
+        body = await invocation_body(request)
+        if "messages" in body:
+            return await chat.create(parsed(ChatCompletionRequest, body), request)
+        if "prompt" in body:
+            return await completions.create(parsed(CompletionRequest, body), request)
+        raise APIError("an invocation is a chat completion (with messages) or a completion (with prompt) request",
+                       400, "messages")
+
     @app.post("/tokenize", dependencies=[Depends(accepting)])
     async def tokenize(body: TokenizeRequest) -> JSONResponse:
         model.check(body.model)
@@ -154,7 +172,7 @@ def build_app(engine: AsyncLLM, model: ServedModel, api_key: str | None = None,
         if body.messages is not None:
             limits.check_chars(message_chars(body.messages), "messages")
             text = await offload.run(render_chat, tokenizer, body.messages, body.add_generation_prompt,
-                                     body.continue_final_message, None)
+                                     body.continue_final_message, None, None, None, body.tools)
             add_special = bool(body.add_special_tokens)
         elif body.prompt is not None:
             limits.check_chars(len(body.prompt), "prompt")
@@ -177,7 +195,30 @@ def build_app(engine: AsyncLLM, model: ServedModel, api_key: str | None = None,
             raise APIError(f"tokens must be token ids in [0, {vocab_size}), got {out_of_vocab[:8]}", 400, "tokens")
         return JSONResponse({"prompt": await offload.run(engine.tokenizer.decode, body.tokens)})
 
+    if enable_tokenizer_info_endpoint:
+        @app.get("/tokenizer_info")
+        async def get_tokenizer_info() -> JSONResponse:
+            return JSONResponse(tokenizer_info(engine.tokenizer))
+
     return app
+
+
+async def invocation_body(request: Request) -> dict:
+    try:
+        body = await request.json()
+    except ValueError as e:
+        raise RequestValidationError([{"loc": ("body",), "type": "json_invalid", "msg": f"JSON decode error: {e}"}]) from None
+    if not isinstance(body, dict):
+        raise RequestValidationError([{"loc": ("body",), "type": "dict_type", "msg": "the body must be a JSON object"}])
+    return body
+
+
+def parsed(model: type[BaseModelT], body: dict) -> BaseModelT:
+    """The body as the endpoint's request model; a bad field is the 400 a direct call would get."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise RequestValidationError(e.errors()) from None
 
 
 def served_model(engine: AsyncLLM, requested_name: str | None, model_arg: str | None) -> ServedModel:
@@ -285,7 +326,8 @@ async def run_server(ns: argparse.Namespace) -> int:
                            ns.trust_request_chat_template)
     app = build_app(engine, model, api_key, state, limits, ns.max_request_bytes,
                     ns.tool_call_parser if ns.enable_auto_tool_choice else None, ns.reasoning_parser,
-                    ns.max_stored_responses, ns.enable_prompt_tokens_details, ns.metrics_prefix)
+                    ns.max_stored_responses, ns.enable_prompt_tokens_details, ns.metrics_prefix,
+                    ns.return_tokens_as_token_ids, ns.enable_tokenizer_info_endpoint)
     paths = [route.path for route in app.routes]  # type: ignore[attr-defined]  # every route here has a path
     routes = ", ".join(sorted(path for path in paths if not path.startswith(("/docs", "/redoc", "/openapi"))))
     logger.info("Routes: %s", routes)

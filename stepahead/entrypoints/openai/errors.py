@@ -95,7 +95,9 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         if param is None and loc and not loc[0].isdigit():  # a JSON decode error's loc is a character offset
             param = loc[0]
         where = ".".join(loc)
-        parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+        # pydantic's error type too (e.g. greater_than_equal), which clients match on as they do with vLLM's
+        kind = f" [type={err['type']}]" if err.get("type") else ""
+        parts.append(f"{where}: {err.get('msg')}{kind}" if where else f"{err.get('msg')}{kind}")
     return "; ".join(parts) or "Invalid request", param
 
 

@@ -85,9 +85,12 @@ class SamplingFields(OpenAIRequest):
     guided_grammar: str | None = None
     return_tokens_as_token_ids: bool | None = None  # logprobs' tokens as "token_id:N"
     prompt_logprobs: StrictInt | None = Field(default=None, ge=-(2**31), le=2**31 - 1)  # top-N per prompt token
+    # vLLM's: keep this many prompt tokens (-1: the context length), from the end unless truncation_side "right"
+    truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=-1, le=_MAX_COUNT)
+    truncation_side: Literal["left", "right"] | None = None
+    return_token_ids: bool | None = None  # vLLM's: the prompt's and the output's token ids in the response
     # vLLM fields stepahead does not implement: declared so that setting one is a 400, never a silent ignore.
     use_beam_search: bool = False
-    return_token_ids: bool | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -96,6 +99,7 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     logprobs: StrictInt | None = Field(default=None, ge=-1, le=_MAX_COUNT)  # -1: the whole vocabulary
     suffix: str | None = None
+    prompt_embeds: Any = None  # vLLM's; refused by name (stepahead takes text or token ids)
     add_special_tokens: bool = True
 
 
@@ -148,6 +152,7 @@ class TokenizeRequest(OpenAIRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     return_token_strs: bool | None = False
+    tools: list[dict[str, Any]] | None = None  # rendered by the chat template, as for a chat completion
 
 
 class DetokenizeRequest(OpenAIRequest):
@@ -195,6 +200,8 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: PromptLogprobsList | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids
+    token_ids: list[int] | None = None  # return_token_ids: the output's
 
 
 class _Response(BaseModel):
@@ -250,6 +257,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids: the output's
 
 
 class ChatCompletionResponse(_Response):
@@ -257,6 +265,7 @@ class ChatCompletionResponse(_Response):
     choices: list[ChatChoice]
     usage: UsageInfo
     prompt_logprobs: PromptLogprobsList | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids
 
 
 class ModelCard(BaseModel):

@@ -49,6 +49,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             "(default: %(default)s)")
     group.add_argument("--enable-prompt-tokens-details", action="store_true",
                        help="usage.prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache held")
+    group.add_argument("--return-tokens-as-token-ids", action="store_true",
+                       help='logprobs name tokens "token_id:N" unless a request says otherwise (its '
+                            "return_tokens_as_token_ids field)")
+    group.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                       help="serve GET /tokenizer_info: the tokenizer's configuration, chat template included")
     group.add_argument("--metrics-prefix", choices=["stepahead", "vllm"], default="stepahead",
                        help="the prefix of /metrics' families: 'vllm' serves them under vLLM's own names "
                             "(vllm:...), for dashboards built for vLLM (default: %(default)s)")

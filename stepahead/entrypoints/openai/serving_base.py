@@ -56,6 +56,7 @@ class Choice:
     pending_ids: list[int] = field(default_factory=list)
     pending_lps: list[dict[int, Logprob] | None] = field(default_factory=list)
     request_id: str = ""  # the engine request the choice is a completion of
+    token_ids: list[int] = field(default_factory=list)  # the output's ids, for return_token_ids
 
 
 @dataclass
@@ -70,10 +71,13 @@ class ResponseContext:
     chunk_object: str  # the "object" of a streamed chunk
     # Engine request id -> its prompt logprobs (SamplingParams.prompt_logprobs), once they arrived.
     prompt_logprobs: dict[str, list[dict[int, Logprob] | None]] = field(default_factory=dict)
+    # Engine request id -> its prompt's token ids (return_token_ids).
+    prompt_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
-    def chunk(self, choices: list[dict], usage_: dict | None = None) -> dict:
+    def chunk(self, choices: list[dict], usage_: dict | None = None, top: dict | None = None) -> dict:
+        """top: fields of the chunk itself, besides the choices (chat's prompt_token_ids on the first)."""
         out = {"id": self.request_id, "object": self.chunk_object, "created": self.created,
-               "model": self.model_name, "choices": choices}
+               "model": self.model_name, **(top or {}), "choices": choices}
         if usage_ is not None:
             out["usage"] = usage_
         return out
@@ -83,11 +87,13 @@ class OpenAIServing:
     EMPTY_BODY: dict = {}  # a streamed choice's text fields when it has no text (logprobs waiting on a character)
 
     def __init__(self, engine: AsyncLLM, model: ServedModel, limits: RequestLimits, offload: Offload,
-                 prompt_tokens_details: bool = False) -> None:
+                 prompt_tokens_details: bool = False, tokens_as_ids: bool = False) -> None:
         """prompt_tokens_details: usage says how many prompt tokens the prefix cache held
-        (--enable-prompt-tokens-details)."""
+        (--enable-prompt-tokens-details). tokens_as_ids: a request's return_tokens_as_token_ids when it
+        does not say (--return-tokens-as-token-ids)."""
         self.engine = engine
         self.prompt_tokens_details = prompt_tokens_details
+        self.tokens_as_ids = tokens_as_ids
         self.model = model
         self.limits = limits
         self.offload = offload  # tokenizing and chat templates run here, off the event loop
@@ -98,6 +104,8 @@ class OpenAIServing:
         model_name = self.model.check(req.model)
         self.model.log_ignored_fields(req)
         reject_unsupported(req)
+        if req.return_tokens_as_token_ids is None:
+            req.return_tokens_as_token_ids = self.tokens_as_ids
         if req.bad_words:  # tokenized on the event loop with the prompt's checks: bounded like a prompt
             self.limits.check_chars(sum(len(word) for word in req.bad_words), "bad_words", "bad_words have")
         return model_name
@@ -167,6 +175,14 @@ class OpenAIServing:
         """Streamed choices sent before any output."""
         return []
 
+    def first_chunk_fields(self, ctx: ResponseContext) -> dict:
+        """Fields of the first of first_deltas' chunks itself."""
+        return {}
+
+    def first_choice_fields(self, ctx: ResponseContext, request_id: str) -> dict:
+        """Fields of a streamed choice's first chunk (completions' prompt_token_ids)."""
+        return {}
+
     def logprobs_of(self, ctx: ResponseContext, choice: Choice, token_ids: list[int],
                     entries: list[dict[int, Logprob] | None], text: str) -> BaseModel:
         """The logprobs of token_ids, whose text is `text` (the delta being sent with them)."""
@@ -203,6 +219,7 @@ class OpenAIServing:
             async for request_output in outputs:
                 cached = max(request_output.num_cached_tokens, prompts.get(request_output.request_id, (0, 0))[1])
                 prompts[request_output.request_id] = (len(request_output.prompt_token_ids), cached)
+                ctx.prompt_token_ids.setdefault(request_output.request_id, request_output.prompt_token_ids)
                 if request_output.prompt_logprobs is not None:
                     ctx.prompt_logprobs[request_output.request_id] = request_output.prompt_logprobs
                 for completion in request_output.outputs:
@@ -243,6 +260,8 @@ class OpenAIServing:
                 self.keep_logprobs(choice, logprobs)
             choice.text += text
             choice.num_tokens += len(completion.token_ids)
+            if ctx.req.return_token_ids:
+                choice.token_ids.extend(completion.token_ids)
             choice.finish_reason, choice.stop_reason = completion.finish_reason, completion.stop_reason
         return self.response(ctx, sorted(choices.items()), self._usage(prompts, choices))
 
@@ -263,11 +282,15 @@ class OpenAIServing:
         include_usage = stream_options is not None and bool(stream_options.include_usage)
         # vLLM's continuous_usage_stats: every chunk after the first output carries the usage so far.
         continuous = include_usage and bool(stream_options.continuous_usage_stats)
-        for delta in self.first_deltas(ctx):
-            yield ctx.chunk([delta])
+        # Chunks before any output: with continuous usage they count the prompt (chat knows it by now).
+        before = self._usage({rid: (len(ids), 0) for rid, ids in ctx.prompt_token_ids.items()}, {}) \
+            if continuous else None
+        for i, delta in enumerate(self.first_deltas(ctx)):
+            yield ctx.chunk([delta], before, top=None if i else self.first_chunk_fields(ctx))
         async with contextlib.aclosing(self._deltas(ctx, stream, prompts)) as deltas:
             async for request_output, completion in deltas:
                 index = self.choice_index(ctx, request_output, completion)
+                first = index not in choices
                 choice = choices.setdefault(index, self.new_choice())
                 choice.request_id = request_output.request_id
                 choice.num_tokens += len(completion.token_ids)
@@ -278,13 +301,20 @@ class OpenAIServing:
                     logprobs = self._take_logprobs(ctx, choice, completion, text, flush=False)
                 final = completion.finish_reason is not None
                 body = self.delta_body(ctx, choice, text, final)
+                if ctx.req.return_token_ids:
+                    choice.token_ids.extend(completion.token_ids)
                 if body is None and logprobs is None and not final:
-                    continue  # no empty deltas
+                    continue  # no empty deltas; the held tokens' ids go with the next chunk
+                ids: dict = {}
+                if ctx.req.return_token_ids:
+                    ids = {**(self.first_choice_fields(ctx, request_output.request_id) if first else {}),
+                           "token_ids": choice.token_ids}
+                    choice.token_ids = []
                 yield ctx.chunk([{
                     "index": index, **(body if body is not None else self.EMPTY_BODY),
                     "logprobs": None if logprobs is None else logprobs.model_dump(mode="json"),
                     "finish_reason": self.finish_reason(ctx, choice, completion.finish_reason),
-                    "stop_reason": completion.stop_reason,
+                    "stop_reason": completion.stop_reason, **ids,
                 }], self._usage(prompts, choices) if continuous else None)
         if include_usage:
             yield ctx.chunk([], self._usage(prompts, choices))

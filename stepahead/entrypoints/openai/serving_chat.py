@@ -35,6 +35,7 @@ from stepahead.entrypoints.openai.serving_utils import (
     prompt_logprobs_json,
     sampling_params_of,
     token_text,
+    truncate_prompt,
 )
 from stepahead.entrypoints.openai.template_sandbox import TemplateSandbox
 from stepahead.entrypoints.openai.token_bytes import TokenBytes
@@ -239,6 +240,9 @@ class OpenAIServingChat(OpenAIServing):
                                       req.continue_final_message, req.chat_template_kwargs, template,
                                       self.template_sandbox, req.tools)
         prompt_ids = await self.offload.run(encode_ids, tokenizer, text, req.add_special_tokens)
+        kept = truncate_prompt(req, prompt_ids, self.model.max_model_len)
+        prompt: dict = {"prompt_token_ids": kept} if kept is not prompt_ids else {"prompt_token_ids": kept, "prompt": text}
+        prompt_ids = kept
         reasoning_closed = closes_reasoning(text)
         if self.reasoning_markers is not None and params.structured_outputs is not None and not reasoning_closed:
             # The model thinks freely; the grammar constrains only what follows its reasoning.
@@ -247,7 +251,7 @@ class OpenAIServingChat(OpenAIServing):
             params.structured_outputs.reasoning_start_token_ids = start
         request_id = random_id("chatcmpl")
         try:
-            stream = self.add_request(req, request_id, {"prompt_token_ids": prompt_ids, "prompt": text}, params)
+            stream = self.add_request(req, request_id, prompt, params)
         except InvalidInputError as e:
             if e.param == "logprobs":  # chat's name for the count
                 raise APIError(f"top_{e}", 400, "top_logprobs") from None
@@ -256,6 +260,7 @@ class OpenAIServingChat(OpenAIServing):
                            "chat.completion.chunk",
                            tool_plan=plan, echo=_echoed(req),
                            reasoning_parser=self.reasoning_parser, reasoning_closed=reasoning_closed)
+        ctx.prompt_token_ids[request_id] = prompt_ids  # known before any output: the first chunk carries them
         return ctx, stream
 
     @staticmethod
@@ -278,6 +283,9 @@ class OpenAIServingChat(OpenAIServing):
             deltas += [{"index": index, "delta": {"content": ctx.echo}, "logprobs": None, "finish_reason": None}
                        for index in range(ctx.req.n)]
         return deltas
+
+    def first_chunk_fields(self, ctx: ResponseContext) -> dict:
+        return {"prompt_token_ids": ctx.prompt_token_ids[ctx.request_id]} if ctx.req.return_token_ids else {}
 
     def delta_body(self, ctx: _ChatContext, choice: _ChatChoice, text: str, final: bool) -> dict | None:
         delta: dict = {}
@@ -326,6 +334,7 @@ class OpenAIServingChat(OpenAIServing):
             usage=UsageInfo(**usage_),
             prompt_logprobs=prompt_logprobs_json(ctx.prompt_logprobs.get(ctx.request_id))
             if ctx.req.prompt_logprobs is not None else None,
+            prompt_token_ids=ctx.prompt_token_ids.get(ctx.request_id) if ctx.req.return_token_ids else None,
         )
 
     def _choice(self, ctx: _ChatContext, index: int, choice: _ChatChoice) -> ChatChoice:
@@ -345,4 +354,5 @@ class OpenAIServingChat(OpenAIServing):
                                                       tool_calls=[ChatToolCall.model_validate(c.to_openai()) for c in calls]),
                           logprobs=ChatLogprobs(content=choice.logprobs) if ctx.req.logprobs else None,
                           finish_reason=finish_reason(ctx.tool_plan, bool(calls), choice.finish_reason),
-                          stop_reason=choice.stop_reason)
+                          stop_reason=choice.stop_reason,
+                          token_ids=choice.token_ids if ctx.req.return_token_ids else None)

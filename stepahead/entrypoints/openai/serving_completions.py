@@ -25,6 +25,7 @@ from stepahead.entrypoints.openai.serving_utils import (
     prompt_logprobs_json,
     sampling_params_of,
     token_text,
+    truncate_prompt,
 )
 from stepahead.outputs import CompletionOutput, Logprob, RequestOutput
 from stepahead.sampling_params import SamplingParams
@@ -45,7 +46,7 @@ class _CompletionContext(ResponseContext):
 
 def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob] | None], top_n: int, offset: int,
                         decode, text: str, as_ids: bool = False) -> tuple[CompletionLogprobs, int]:
-    """OpenAI's legacy form: tokens, token_logprobs, top_logprobs (top-N plus the sampled token).
+    """OpenAI's legacy form: tokens, token_logprobs, top_logprobs (the sampled token, then the top-N).
 
     text is the returned text these tokens produced, starting at offset: each token's text_offset
     indexes it (the length of its predecessors' decoded text, never past the text's end, since a token
@@ -61,7 +62,8 @@ def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob] |
         if entry is None:
             result.top_logprobs.append(None)
             continue
-        top = {}
+        # The sampled token first, then the rest by rank (vLLM's order: a client's first key is the token).
+        top = {token: clamp(sampled.logprob)} if sampled is not None else {}
         for other_id, other in sorted(entry.items(), key=lambda kv: kv[1].rank):
             if other.rank <= top_n or other_id == token_id:
                 top[token_text(other_id, other, decode, as_ids)] = clamp(other.logprob)
@@ -74,6 +76,9 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def create(self, req: CompletionRequest, raw_request: Request) -> Response:
         model_name = self.check_request(req)
+        if req.prompt_embeds is not None:
+            raise APIError("prompt_embeds is not supported by this server (prompts are text or token ids)", 400,
+                           "prompt_embeds")
         if req.suffix:
             raise APIError("suffix is not currently supported", 400, "suffix")
         if req.max_tokens == 0 and not req.echo:
@@ -92,6 +97,8 @@ class OpenAIServingCompletion(OpenAIServing):
             if isinstance(prompt, str):
                 self.limits.check_chars(len(prompt), "prompt")
         prompts = await self.offload.run(self._tokenize_texts, prompts, req.add_special_tokens)
+        if req.truncate_prompt_tokens is not None:
+            prompts = [self._truncated(req, prompt) for prompt in prompts]
         request_id = random_id("cmpl")
         ids = [f"{request_id}-{index}" for index in range(len(prompts))]
         stream = self._submit(req, ids, prompts, params)
@@ -123,6 +130,12 @@ class OpenAIServingCompletion(OpenAIServing):
                           "prompt": prompt}
             out.append(prompt)
         return out
+
+    def _truncated(self, req: CompletionRequest, prompt: list[int] | dict) -> dict:
+        """The prompt as token ids cut by truncate_prompt_tokens (its text, if any, no longer matches)."""
+        ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt
+        kept = truncate_prompt(req, ids, self.model.max_model_len)
+        return prompt if kept is ids and isinstance(prompt, dict) else {"prompt_token_ids": kept}
 
     # -- hooks of OpenAIServing ----------------------------------------------------------------------
 
@@ -176,10 +189,20 @@ class OpenAIServingCompletion(OpenAIServing):
             id=ctx.request_id, created=ctx.created, model=ctx.model_name,
             choices=[CompletionChoice(index=index, text=choice.text, logprobs=choice.logprobs,
                                       finish_reason=choice.finish_reason, stop_reason=choice.stop_reason,
-                                      prompt_logprobs=self._prompt_logprobs(ctx, choice))
+                                      prompt_logprobs=self._prompt_logprobs(ctx, choice),
+                                      **self._token_ids(ctx, choice))
                      for index, choice in choices],
             usage=UsageInfo(**usage_),
         )
+
+    def first_choice_fields(self, ctx: ResponseContext, request_id: str) -> dict:
+        return {"prompt_token_ids": ctx.prompt_token_ids.get(request_id)}
+
+    @staticmethod
+    def _token_ids(ctx: ResponseContext, choice: _CompletionChoice) -> dict:
+        if not ctx.req.return_token_ids:
+            return {}
+        return {"prompt_token_ids": ctx.prompt_token_ids.get(choice.request_id), "token_ids": choice.token_ids}
 
     @staticmethod
     def _prompt_logprobs(ctx: ResponseContext, choice: _CompletionChoice) -> list | None:

@@ -65,10 +65,8 @@ class ServedModel:
 
 def reject_unsupported(req: SamplingFields) -> None:
     """Fields that would change the output but are not implemented: a 400, never a silent ignore."""
-    for name, asked in (("use_beam_search", req.use_beam_search),
-                        ("return_token_ids", req.return_token_ids)):
-        if asked:
-            raise APIError(f"{name} is not supported by this server", 400, name)
+    if req.use_beam_search:
+        raise APIError("use_beam_search is not supported by this server", 400, "use_beam_search")
     if req.prompt_logprobs is not None and req.stream:
         raise APIError("`prompt_logprobs` are not available when `stream=True`.", 400, "prompt_logprobs")
     if req.best_of is not None and req.best_of != req.n:
@@ -258,6 +256,21 @@ async def _wait_disconnect(raw_request: Request) -> None:
         message = await raw_request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+def truncate_prompt(req: SamplingFields, prompt_ids: list[int], max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt cut to that many tokens (-1: the context length), its
+    start dropped (truncation_side "left", the default) or its end ("right")."""
+    keep = req.truncate_prompt_tokens
+    if keep is None:
+        return prompt_ids
+    if keep > max_model_len:
+        raise APIError(f"truncate_prompt_tokens must be at most the context length {max_model_len}, got {keep}",
+                       400, "truncate_prompt_tokens")
+    keep = max_model_len if keep == -1 else keep
+    if len(prompt_ids) <= keep:
+        return prompt_ids
+    return prompt_ids[:keep] if req.truncation_side == "right" else prompt_ids[len(prompt_ids) - keep:]
 
 
 def encode_ids(tokenizer, text: str, add_special_tokens: bool) -> list[int]:

@@ -23,11 +23,8 @@ class NamedToolStream(ToolStream):
         self._announced = False
 
     def feed(self, text: str) -> StreamDelta:
-        deltas = []
-        if not self._announced:
+        if not self._announced:  # one entry per call in a delta: the first text goes with the name
             self._announced = True
-            deltas.append({"index": 0, "id": tool_call_id(), "type": "function",
-                           "function": {"name": self._name, "arguments": ""}})
-        if text:
-            deltas.append({"index": 0, "function": {"arguments": text}})
-        return StreamDelta(tool_calls=deltas)
+            return StreamDelta(tool_calls=[{"index": 0, "id": tool_call_id(), "type": "function",
+                                            "function": {"name": self._name, "arguments": text}}])
+        return StreamDelta(tool_calls=[{"index": 0, "function": {"arguments": text}}] if text else [])

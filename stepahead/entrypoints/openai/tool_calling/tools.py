@@ -50,14 +50,31 @@ class ToolPlan:
             return next(f.parameters for f in self.functions if f.name == self.named)
         if self.mode != "required":
             return None
+        parameters, defs = _hoisted_defs(self.functions)
         calls = [{"type": "object",
-                  "properties": {"name": {"type": "string", "enum": [f.name]}, "parameters": f.parameters},
-                  "required": ["name", "parameters"]} for f in self.functions]
+                  "properties": {"name": {"type": "string", "enum": [f.name]}, "parameters": params},
+                  "required": ["name", "parameters"]} for f, params in zip(self.functions, parameters, strict=True)]
         array: dict[str, Any] = {"type": "array", "minItems": 1,
                                  "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
         if not self.parallel:
             array["maxItems"] = 1
+        if defs:
+            array["$defs"] = defs
         return array
+
+
+def _hoisted_defs(functions) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Each function's parameters without their $defs, and those $defs together: nested under the calls'
+    array, a "#/$defs/..." reference must still find its definition at the root."""
+    defs: dict[str, Any] = {}
+    parameters = []
+    for f in functions:
+        params = dict(f.parameters)
+        for name, definition in (params.pop("$defs", None) or {}).items():
+            if defs.setdefault(name, definition) != definition:
+                raise APIError(f"tools: two functions define $defs {shorten(repr(name))} differently", 400, "tools")
+        parameters.append(params)
+    return parameters, defs
 
 
 def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None,
