@@ -5,24 +5,25 @@ on the worker").
 The model runner calls in at three points: laying out a step's tokens (`step_drafts`: the drafts
 follow the request's last known token), keeping its own count of computed positions
 (`num_computed`: the scheduler's runs ahead by rejections it has not processed yet), and sampling
-(`sample_and_verify`, then `propose`). Everything here is per request on the host: the n-gram
-proposer reads the verified tokens there, so the runner reads each step's samples back at once.
+(`sample_and_verify`, then `propose`). The verified tokens are read back to the host at once: the
+proposers (proposer.py: the n-gram per request on the host, the draft model batched) start from them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
-from stepahead.config import SpeculativeConfig
+from stepahead.config import EngineConfig, SpeculativeConfig
 from stepahead.core.sched_output import ModelRunnerOutput, TokenLogprobs
 from stepahead.worker.request_state import CachedRequestState
 from stepahead.worker.row_failures import sample_rows_apart
 from stepahead.worker.sampler import logprobs_to_host, sample
 from stepahead.worker.sampling_metadata import RowSampling, SamplingMetadata
+from stepahead.worker.spec.draft_model_proposer import DraftModelProposer
 from stepahead.worker.spec.ngram_proposer import NgramProposer
+from stepahead.worker.spec.proposer import PerRequestProposer, Proposer
 from stepahead.worker.spec.rejection_sampler import accept_drafts
 
 
@@ -56,16 +57,40 @@ def expand_rows(rows: list[RowSampling], drafts: list[list[int]]) -> list[RowSam
     return expanded
 
 
+def ngram_proposer(spec: SpeculativeConfig, max_model_len: int) -> Proposer:
+    ngram = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min or 1, spec.prompt_lookup_max or 1,
+                          max_model_len)
+    return PerRequestProposer(ngram.propose)
+
+
+def make_proposer(config: EngineConfig) -> Proposer:
+    """The proposer of speculative_config.method (a draft model loads here)."""
+    spec = config.speculative_config
+    if spec is None:
+        raise ValueError("speculative decoding needs a speculative_config")
+    if spec.method == "ngram":
+        return ngram_proposer(spec, config.scheduler_config.max_model_len)
+    if spec.method == "draft_model":
+        return DraftModelProposer(config)
+    raise ValueError(f"speculative_config.method {spec.method!r} has no proposer on the worker")
+
+
 class SpecDecoder:
     """Owns the proposer; the per-request drafting state lives in each CachedRequestState.draft."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
-        if config.method != "ngram":
-            raise ValueError(f"speculative_config.method {config.method!r} has no proposer on the worker")
-        self.num_speculative_tokens = config.num_speculative_tokens
-        self.disable_by_batch_size = config.disable_by_batch_size
-        self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min or 1,
-                                      config.prompt_lookup_max or 1, max_model_len)
+    def __init__(self, spec: SpeculativeConfig, proposer: Proposer) -> None:
+        self.num_speculative_tokens = spec.num_speculative_tokens
+        self.disable_by_batch_size = spec.disable_by_batch_size
+        self.proposer = proposer
+
+    def kv_bytes_per_token(self) -> int:
+        """What the proposer keeps per token of the target's KV pool (a draft model's own KV)."""
+        return self.proposer.kv_bytes_per_token() if isinstance(self.proposer, DraftModelProposer) else 0
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        """Once the target's pool size is known: the proposer's KV over the same block ids."""
+        if isinstance(self.proposer, DraftModelProposer):
+            self.proposer.allocate_kv(num_blocks)
 
     def step_drafts(self, state: CachedRequestState, scheduled: list[int] | None) -> list[int]:
         """The drafts a step verifies after the request's last known token: the ids the synchronous
@@ -124,10 +149,10 @@ class SpecDecoder:
                 step: VerifiedStep) -> Proposals:
         """Append each request's verified tokens, give back its rejected positions, and propose its
         next drafts (none for a grammar request: its drafts would need the grammar's check first)."""
-        out = Proposals({}, {})
         # A batch this large drafts nothing (speculative_config.disable_by_batch_size).
         k = self.num_speculative_tokens if self.disable_by_batch_size is None or \
             len(states) < self.disable_by_batch_size else 0
+        drafting, asking, max_drafts = [], [], []
         for state, row_drafts, tokens in zip(states, drafts, step.tokens, strict=True):
             state.token_ids.extend(tokens)
             state.num_computed_tokens -= len(row_drafts) - (len(tokens) - 1)
@@ -136,13 +161,20 @@ class SpecDecoder:
             track.drafts = []
             if state.sampling_params.structured_outputs is not None:
                 continue
+            drafting.append(state)
             if k and track.may_propose():
-                proposed = self.proposer.propose(np.asarray(state.token_ids, dtype=np.int64))
-                track.drafts = proposed[:track.num_drafts(k)].tolist()
-                if not track.drafts:
-                    track.note_no_proposal()
-            out.draft_token_ids[state.req_id] = list(track.drafts)
-            out.draft_slots[state.req_id] = len(track.drafts)
+                asking.append(state)
+                max_drafts.append(track.num_drafts(k))
+        if asking:  # one call for the batch: a draft model runs its passes across every request at once
+            proposed = self.proposer.propose(asking, max_drafts)
+            for state, ids in zip(asking, proposed.token_ids, strict=True):
+                state.draft.drafts = ids
+                if not ids:
+                    state.draft.note_no_proposal()
+        out = Proposals({}, {})
+        for state in drafting:
+            out.draft_token_ids[state.req_id] = list(state.draft.drafts)
+            out.draft_slots[state.req_id] = len(state.draft.drafts)
         return out
 
     @staticmethod

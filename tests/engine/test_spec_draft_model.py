@@ -1,0 +1,69 @@
+"""Speculative decoding with a draft model, end to end: the plain tokens in every engine mode.
+
+The draft is a tiny random model with the target's vocabulary and one layer (its own weights: its
+greedy drafts are often rejected, so rollback runs), or the target itself (every greedy draft is
+accepted). Greedy, seeded and penalized requests get exactly their tokens without drafts.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from stepahead import LLM
+from tests.engine.test_spec_decode_llm import CONFIGS, GREEDY, MAX_MODEL_LEN, _prompts, _run
+from tests.tiny_models import VOCAB_SIZE, build_tiny_model
+
+
+def _draft_config(model, k: int = 3) -> dict:
+    return {"method": "draft_model", "model": str(model), "num_speculative_tokens": k}
+
+
+@pytest.fixture(scope="module")
+def tied(tiny_model_factory):
+    return tiny_model_factory("llama", tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def small_draft(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("draft"), "llama", seed=1, num_hidden_layers=1,
+                            tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def plain(tied):
+    return _run(tied)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_draft_model_gives_the_plain_tokens(tied, small_draft, plain, name):
+    results, stats, config = _run(tied, speculative_config=_draft_config(small_draft), **CONFIGS[name])
+    assert config.draft_model_config is not None and config.draft_model_config.num_layers == 1
+    for outputs, base in zip(results, plain[0], strict=True):  # greedy, seeded, penalized with logprobs
+        assert [tokens for tokens, _ in outputs] == [tokens for tokens, _ in base]
+    assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+    if name.startswith("preempt"):
+        assert stats.preemptions > 0
+
+
+def test_the_target_as_its_own_draft_accepts_every_greedy_draft(tied, plain):
+    prompts = [{"prompt_token_ids": p} for p in _prompts()]
+    with LLM(str(tied), executor="uni", max_model_len=MAX_MODEL_LEN, speculative_config=_draft_config(tied, 4)) as llm:
+        tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        stats = llm.stats()
+    assert tokens == [t for t, _ in plain[0][0]]
+    assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens > 0
+
+
+def test_a_draft_with_another_vocabulary_is_refused(tied, tmp_path):
+    other = build_tiny_model(tmp_path / "wide", "llama", num_hidden_layers=1, vocab_size=VOCAB_SIZE + 64)
+    with pytest.raises(ValueError, match=f"vocabulary of {VOCAB_SIZE + 64} tokens, the target model {VOCAB_SIZE}"):
+        LLM(str(tied), executor="uni", max_model_len=MAX_MODEL_LEN, speculative_config=_draft_config(other))
+
+
+def test_draft_model_needs_its_checkpoint_and_one_rank(tied, small_draft):
+    with pytest.raises(ValueError, match="speculative_config.model"):
+        LLM(str(tied), executor="uni", speculative_config={"method": "draft_model", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 x pipeline_parallel_size=1 is not supported"):
+        LLM(str(tied), tensor_parallel_size=2, speculative_config=_draft_config(small_draft))
+    with pytest.raises(ValueError, match="tensor_parallel_size=1 x pipeline_parallel_size=2 is not supported"):
+        LLM(str(tied), pipeline_parallel_size=2, speculative_config=_draft_config(small_draft))
