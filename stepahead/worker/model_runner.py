@@ -553,7 +553,8 @@ class ModelRunner:
         """Speculative decoding's sampling (worker/spec/spec_decoder.py): every position sampled, the
         drafts verified, the next drafts proposed; the verified tokens are on the host afterwards."""
         assert self.spec is not None and step.sample_drafts is not None
-        verified = self.spec.sample_and_verify(logits, rows, step.sample_drafts)
+        verified = self.spec.sample_and_verify(logits, rows, step.sample_drafts,
+                                               [state.draft.verifying_probs for state in states])
         proposals = self.spec.propose(states, step.sample_drafts, verified)
         self.prev_req_id_to_row = {}  # nothing to substitute on the device: the host holds every token
         out = self._account(self.spec.to_output(step.req_ids, step.sample_rows, verified, proposals), step, t0,

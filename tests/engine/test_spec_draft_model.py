@@ -2,7 +2,9 @@
 
 The draft is a tiny random model with the target's vocabulary and one layer (its own weights: its
 greedy drafts are often rejected, so rollback runs), or the target itself (every greedy draft is
-accepted). Greedy, seeded and penalized requests get exactly their tokens without drafts.
+accepted). Greedy requests, and penalized ones with logprobs (whose drafts are greedy), get exactly
+their tokens without drafts. Seeded random requests draw their drafts from the draft's q and are
+verified by the general rule: another draw of the same distribution, reproducible run to run.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from stepahead import LLM
-from tests.engine.test_spec_decode_llm import CONFIGS, GREEDY, MAX_MODEL_LEN, _prompts, _run
+from tests.engine.test_spec_decode_llm import CONFIGS, GREEDY, MAX_MODEL_LEN, SEEDED, _prompts, _run
 from tests.tiny_models import VOCAB_SIZE, build_tiny_model
 
 
@@ -38,11 +40,28 @@ def plain(tied):
 def test_draft_model_gives_the_plain_tokens(tied, small_draft, plain, name):
     results, stats, config = _run(tied, speculative_config=_draft_config(small_draft), **CONFIGS[name])
     assert config.draft_model_config is not None and config.draft_model_config.num_layers == 1
-    for outputs, base in zip(results, plain[0], strict=True):  # greedy, seeded, penalized with logprobs
-        assert [tokens for tokens, _ in outputs] == [tokens for tokens, _ in base]
+    greedy, seeded, penalized = results
+    assert [t for t, _ in greedy] == [t for t, _ in plain[0][0]]
+    assert [t for t, _ in penalized] == [t for t, _ in plain[0][2]]
+    for (_, logprobs), (_, base_logprobs) in zip(penalized, plain[0][2], strict=True):
+        assert logprobs == [pytest.approx(lp, abs=1e-4) for lp in base_logprobs]
+    assert [len(t) for t, _ in seeded] == [len(t) for t, _ in plain[0][1]]
     assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
     if name.startswith("preempt"):
         assert stats.preemptions > 0
+
+
+def test_seeded_requests_reproduce_and_accept_drawn_drafts(tied, small_draft):
+    """Seeded random requests with drawn drafts: the same tokens in a second run, and drafts accepted."""
+    runs = []
+    for _ in range(2):
+        with LLM(str(tied), executor="uni", max_model_len=MAX_MODEL_LEN,
+                 speculative_config=_draft_config(tied)) as llm:
+            prompts = [{"prompt_token_ids": p} for p in _prompts()]
+            runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, SEEDED, use_tqdm=False)])
+            stats = llm.stats()
+    assert runs[0] == runs[1]
+    assert 0 < stats.spec_num_accepted_tokens <= stats.spec_num_draft_tokens
 
 
 def test_the_target_as_its_own_draft_accepts_every_greedy_draft(tied, plain):

@@ -11,7 +11,9 @@ The draft's own count of positions whose KV it holds (`DraftTrack.model_computed
 tokens: a call first catches up on every token the request gained since its last call (its prompt, the
 accepted drafts, the target's sample), in chunks of at most max_num_batched_tokens, then runs k one-token
 passes of the same shape (a decode step the CUDA graphs could capture), each feeding the previous pass's
-draft from the device. Only the real tokens count as computed afterwards; the positions of the drafts
+draft from the device. Greedy rows (and rows that want logprobs) take the draft's argmax; other random
+rows draw from q (the draft's logits under the request's sampling settings), a seeded one with its own uniforms
+(spec_uniforms.py), and q goes with the drafts to the general rejection rule. Only the real tokens count as computed afterwards; the positions of the drafts
 are written again with the verified tokens next time, which is the rollback of rejected drafts. A
 resumed request starts from 0 (its blocks are new).
 """
@@ -31,8 +33,12 @@ from stepahead.attention.triton_backend import TritonBackend
 from stepahead.config import EngineConfig
 from stepahead.models import onednn_linear
 from stepahead.models.loading.loader import TORCH_DTYPES, load_model
+from stepahead.sampling_params import SamplingParams
 from stepahead.utils import cdiv
 from stepahead.worker.request_state import CachedRequestState
+from stepahead.worker.sampler import sampling_probs
+from stepahead.worker.sampling_metadata import RowSampling, SamplingMetadata
+from stepahead.worker.spec import spec_uniforms
 from stepahead.worker.spec.proposer import ProposedDrafts, Proposer
 from stepahead.worker.staging import StagingBuffer
 
@@ -113,21 +119,46 @@ class DraftModelProposer(Proposer):
         # context length as the decode kernels group them (the same order every pass).
         order = sorted(active, key=lambda i: len(states[i].token_ids))
         num_passes = max(wants[i] for i in order)
+        # Random rows without logprobs draw their drafts from q: the draft's logits under the request's
+        # temperature, top-k, top-p, min-p and bias (not its output penalties, which would need each pass's
+        # drafts on the host), kept for the general rejection rule; the others take the argmax (one-hot q).
+        drawing = [row for row, i in enumerate(order) if _draws(states[i].sampling_params)]
+        drawn = torch.tensor(drawing, dtype=torch.long, device=self.device)
+        draw_md = None
+        if drawing:
+            draw_md = SamplingMetadata.from_rows(
+                [RowSampling(states[order[r]].sampling_params, states[order[r]].prompt_token_ids, [], [], 0)
+                 for r in drawing], self.config.vocab_size, self.device)
         previous: torch.Tensor | None = None
-        passes = []
+        passes, probs = [], []
         for j in range(num_passes):
             rows = [_Row(len(states[i].token_ids) - 1 + j, [states[i].token_ids[-1]] if j == 0 else None,
                          tables[i], True) for i in order]
-            previous = self._forward(rows, previous)
+            logits = self._forward(rows, previous)
+            previous = logits.argmax(dim=1)
+            if draw_md is not None:
+                q = sampling_probs(logits.index_select(0, drawn), draw_md)
+                u = spec_uniforms.uniforms([states[order[r]].sampling_params for r in drawing],
+                                           [len(states[order[r]].output_token_ids) + j for r in drawing],
+                                           spec_uniforms.DRAFT, self.device)
+                c = q.cumsum(dim=1)
+                pick = torch.searchsorted(c, (u * c[:, -1]).unsqueeze(1), right=True).squeeze(1)
+                previous.index_copy_(0, drawn, pick.clamp_(max=q.shape[1] - 1))
+                probs.append(q)
             passes.append(previous)
         proposed = torch.stack(passes, dim=1).tolist()  # [len(order), num_passes]: the one read to the host
+        draft_probs: list[torch.Tensor | None] = [None] * len(states)
         for row, i in enumerate(order):
             drafts[i] = proposed[row][:wants[i]]
+        if drawing:
+            stacked = torch.stack(probs, dim=1)  # [len(drawing), num_passes, vocab]
+            for k, row in enumerate(drawing):
+                draft_probs[order[row]] = stacked[k, :wants[order[row]]]
         for i in active:
             state = states[i]
             # Real tokens only; the last one's KV counts only where it went to a block of the request's own.
             state.draft.model_computed = min(len(state.token_ids), len(state.block_ids) * self.block_size)
-        return ProposedDrafts(drafts)
+        return ProposedDrafts(drafts, draft_probs)
 
     def _catch_up(self, requests: list[tuple[CachedRequestState, list[int]]]) -> None:
         """Feed every request's tokens from its draft count up to (not including) its last token, in
@@ -150,7 +181,7 @@ class DraftModelProposer(Proposer):
             pending = rest
 
     def _forward(self, rows: list[_Row], previous: torch.Tensor | None) -> torch.Tensor:
-        """One draft forward pass; returns the greedy draft of every sampling row, in row order. Rows
+        """One draft forward pass; returns the float32 logits of every sampling row, in row order. Rows
         whose token_ids is None feed `previous` (one id per row, in the same order)."""
         assert self.kv_cache is not None
         staging, bs = self.staging, self.block_size
@@ -189,6 +220,10 @@ class DraftModelProposer(Proposer):
         meta = self.attention.finish(staged, staging.view(slots_offset, num_tokens), staging)
         hidden = self.model(input_ids, staging.view(positions_offset, num_tokens), self.kv_cache, meta)
         if not sampled:
-            return hidden.new_empty(0, dtype=torch.long)
-        logits = self.model.compute_logits(hidden.index_select(0, staging.view(logits_offset, len(sampled))))
-        return logits.float().argmax(dim=1)
+            return hidden.new_empty(0, 0, dtype=torch.float32)
+        return self.model.compute_logits(hidden.index_select(0, staging.view(logits_offset, len(sampled)))).float()
+
+
+def _draws(params: SamplingParams) -> bool:
+    """Whether a request's drafts are drawn at random (from q) rather than taken greedily."""
+    return not params.is_greedy and params.top_k != 1 and params.logprobs is None

@@ -9,7 +9,8 @@ import torch
 from stepahead.config import SpeculativeConfig
 from stepahead.sampling_params import SamplingParams
 from stepahead.worker.request_state import CachedRequestState
-from stepahead.worker.sampling_metadata import RowSampling
+from stepahead.worker.sampler import sample, sampling_probs
+from stepahead.worker.sampling_metadata import RowSampling, SamplingMetadata
 from stepahead.worker.spec.draft_track import FIRST_PAUSE_STEPS, MISSES_BEFORE_PAUSE, DraftTrack
 from stepahead.worker.spec.spec_decoder import SpecDecoder, VerifiedStep, ngram_proposer
 
@@ -118,3 +119,25 @@ def test_a_large_batch_drafts_nothing():
     assert out.draft_token_ids == {"r0": [7, 5]} and out.draft_slots == {"r0": 2}
     with pytest.raises(ValueError, match="disable_by_batch_size must be an int >= 1"):
         SpeculativeConfig("ngram", 2, disable_by_batch_size=0)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.8, top_k=4, top_p=0.85),
+    SamplingParams(temperature=1.3, min_p=0.1, presence_penalty=0.4, repetition_penalty=1.2),
+    SamplingParams(temperature=1.5, top_p=0.9, logit_bias={3: 0.5}),
+], ids=["top_k_top_p", "min_p_penalties", "top_p_bias"])
+def test_sampling_probs_is_the_law_sample_draws_from(params):
+    """sampling_probs (the p of the general rejection rule) against sample's own draws."""
+    draws = 20000
+    logits = torch.tensor([[1.0, 0.2, -0.5, 0.8, 0.1, -1.0]]).repeat(draws, 1)
+    rows = [RowSampling(params, [0, 4], [1, 1, 5], [], 3)] * draws
+    md = SamplingMetadata.from_rows(rows, VOCAB, "cpu")
+    torch.manual_seed(3)
+    tokens = sample(logits.clone(), md).sampled_token_ids.numpy()
+    p = sampling_probs(logits[:1].clone(), SamplingMetadata.from_rows(rows[:1], VOCAB, "cpu"))[0].double().numpy()
+    assert abs(p.sum() - 1) < 1e-5
+    kept = p > 0
+    counts = np.bincount(tokens, minlength=VOCAB)
+    assert (counts[~kept] == 0).all()  # what p excludes is never drawn
+    assert _chi_square_p(counts[kept], p[kept]) > 1e-3
+    assert kept.sum() >= 3 and _chi_square_p(counts[kept], np.roll(p[kept], 1)) < 1e-6
