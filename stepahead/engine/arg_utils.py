@@ -172,7 +172,9 @@ class EngineArgs:
         check_parallel(parallel_config, model_config, device, self.resolve_executor())
         spec = self.resolve_speculative_config()
         draft_config = None if spec is None or spec.model is None else self.draft_model_config(
-            spec.model, model_config, device, quantization_for_ranks(self.quantization, parallel_config))
+            spec.model, model_config, device,
+            # gguf keeps a GGUF file's codes: the draft's own file decides, as auto does (int4/int8 apply to both)
+            "auto" if self.quantization == "gguf" else self.quantization)
         attention_backend = resolve_attention_backend(self.attention_backend, device)
         cache_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, model_config, attention_backend)
         max_model_len = model_config.max_model_len
@@ -241,14 +243,14 @@ class EngineArgs:
 
     def draft_model_config(self, path: str, target: ModelConfig, device: str, quantization: str) -> ModelConfig:
         """The draft checkpoint's config, loaded as the target's is (its dtype and max_model_len, the same
-        --quantization: a GGUF draft stays packed on CPU as a GGUF target does); it proposes ids the target
-        verifies, so it must share the target's vocabulary."""
+        --quantization, where gguf means auto: a GGUF draft stays packed on CPU as a GGUF target does); it
+        proposes ids the target verifies, so it must share the target's vocabulary."""
         from stepahead.models.loading.loader import load_model_config
 
         draft = load_model_config(
             path, device, dtype=target.dtype,
             max_model_len=target.max_model_len, seed=self.seed, use_cache=self.model_cache, revision=self.revision,
-            download_dir=self.download_dir, quantization=target.quantization)
+            download_dir=self.download_dir, quantization=quantization)
         check_field(draft.vocab_size == target.vocab_size, "speculative_config.model", path,
                     f"has a vocabulary of {draft.vocab_size} tokens, the target model {target.vocab_size}: a draft "
                     "model must share the target's tokenizer")
