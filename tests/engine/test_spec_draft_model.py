@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from stepahead import LLM
+from stepahead import LLM, SamplingParams
 from tests.engine.test_spec_decode_llm import CONFIGS, GREEDY, MAX_MODEL_LEN, SEEDED, _prompts, _run
 from tests.tiny_models import VOCAB_SIZE, build_tiny_model
 
@@ -86,3 +86,16 @@ def test_draft_model_needs_its_checkpoint_and_one_rank(tied, small_draft):
         LLM(str(tied), tensor_parallel_size=2, speculative_config=_draft_config(small_draft))
     with pytest.raises(ValueError, match="tensor_parallel_size=1 x pipeline_parallel_size=2 is not supported"):
         LLM(str(tied), pipeline_parallel_size=2, speculative_config=_draft_config(small_draft))
+
+
+def test_triton_backend_runs_the_draft_passes(tied, small_draft):
+    """The CUDA path's attention (through Triton's interpreter here) for the target and the draft."""
+    prompts = [{"prompt_token_ids": p} for p in _prompts()[:2]]
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    tokens = {}
+    for name, extra in (("plain", {}), ("draft", dict(speculative_config=_draft_config(small_draft)))):
+        with LLM(str(tied), executor="uni", max_model_len=MAX_MODEL_LEN, attention_backend="triton", **extra) as llm:
+            tokens[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            stats = llm.stats()
+    assert tokens["draft"] == tokens["plain"]
+    assert stats.spec_num_draft_tokens > 0
