@@ -96,7 +96,7 @@ class SchedulerConfig:
 # Proposer methods with vLLM's names; those the worker cannot run yet are refused rather than
 # accepted and ignored.
 SPECULATIVE_METHODS = ("ngram", "draft_model", "suffix")
-SUPPORTED_SPECULATIVE_METHODS: tuple[str, ...] = ("ngram",)
+SUPPORTED_SPECULATIVE_METHODS: tuple[str, ...] = ("ngram", "draft_model")
 # vLLM's n-gram lengths when neither is given; when one is, the other takes its value.
 DEFAULT_PROMPT_LOOKUP = 5
 
@@ -112,6 +112,9 @@ class SpeculativeConfig:
     # No drafts while a step samples this many requests or more (where the forward pass is compute-bound,
     # draft positions cost about what they save); None: always draft.
     disable_by_batch_size: int | None = None
+    # draft_model: the draft checkpoint (a folder, a .gguf file or a hub id, as the target's model), loaded
+    # by the target's loader with the target's dtype; it must share the target's vocabulary.
+    model: str | None = None
 
     def __post_init__(self) -> None:
         check_field(self.method in SPECULATIVE_METHODS, "speculative_config.method", self.method,
@@ -127,6 +130,8 @@ class SpeculativeConfig:
             self.prompt_lookup_min = self.prompt_lookup_max
         elif self.prompt_lookup_max is None:
             self.prompt_lookup_max = self.prompt_lookup_min
+        check_field((self.model is not None) == (self.method == "draft_model"), "speculative_config.model",
+                    self.model, "must name the draft checkpoint for method draft_model, and only for it")
         check_field(self.disable_by_batch_size is None
                     or (isinstance(self.disable_by_batch_size, int) and self.disable_by_batch_size >= 1),
                     "speculative_config.disable_by_batch_size", self.disable_by_batch_size, "must be an int >= 1")
@@ -228,3 +233,5 @@ class EngineConfig:
     # The drafting method and its settings; None: no speculative decoding (scheduler_config's
     # num_speculative_tokens is then 0).
     speculative_config: SpeculativeConfig | None = None
+    # speculative_config.model resolved (method draft_model): the draft's config, in the target's dtype.
+    draft_model_config: ModelConfig | None = None

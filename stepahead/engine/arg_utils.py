@@ -17,6 +17,7 @@ from stepahead.config import (
     QUANTIZATION_CHOICES,
     CacheConfig,
     EngineConfig,
+    ModelConfig,
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -169,6 +170,11 @@ class EngineArgs:
             generation_config=self.generation_config, chat_template=self.chat_template,
             quantization=quantization_for_ranks(self.quantization, parallel_config))
         check_parallel(parallel_config, model_config, device, self.resolve_executor())
+        spec = self.resolve_speculative_config()
+        draft_config = None if spec is None or spec.model is None else self.draft_model_config(
+            spec.model, model_config, device,
+            # gguf keeps a GGUF file's codes: the draft's own file decides, as auto does (int4/int8 apply to both)
+            "auto" if self.quantization == "gguf" else self.quantization)
         attention_backend = resolve_attention_backend(self.attention_backend, device)
         cache_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, model_config, attention_backend)
         max_model_len = model_config.max_model_len
@@ -180,7 +186,7 @@ class EngineArgs:
             max_model_len=max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
             debug_invariants=self.debug_invariants,
-            num_speculative_tokens=spec.num_speculative_tokens if (spec := self.resolve_speculative_config()) else 0,
+            num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
         )
         blocks_per_seq = cdiv(max_model_len, self.block_size)
         # No need for more than every sequence at full length.
@@ -192,7 +198,10 @@ class EngineArgs:
             num_blocks, gpu_memory_utilization = max_useful_blocks, self.gpu_memory_utilization
         elif num_blocks is None:
             budget = self.kv_cache_memory_bytes or DEFAULT_KV_CACHE_BYTES_CPU
-            num_blocks = min(budget // (self.block_size * model_config.kv_bytes_per_token(cache_dtype)), max_useful_blocks)
+            # A draft model keeps its own KV for the same blocks: one block costs both models' bytes.
+            bytes_per_token = model_config.kv_bytes_per_token(cache_dtype) + (
+                draft_config.kv_bytes_per_token(cache_dtype) if draft_config is not None else 0)
+            num_blocks = min(budget // (self.block_size * bytes_per_token), max_useful_blocks)
         check_field(num_blocks - 1 >= blocks_per_seq, "num_kv_blocks", num_blocks,
                     f"must hold one max_model_len ({max_model_len}) sequence: at least {blocks_per_seq + 1} "
                     f"blocks of {self.block_size} tokens (block 0 is reserved); lower max_model_len or raise the pool")
@@ -229,7 +238,23 @@ class EngineArgs:
             max_logprobs=self.max_logprobs,
             parallel_config=parallel_config,
             speculative_config=spec,
+            draft_model_config=draft_config,
         )
+
+    def draft_model_config(self, path: str, target: ModelConfig, device: str, quantization: str) -> ModelConfig:
+        """The draft checkpoint's config, loaded as the target's is (its dtype and max_model_len, the same
+        --quantization, where gguf means auto: a GGUF draft stays packed on CPU as a GGUF target does); it
+        proposes ids the target verifies, so it must share the target's vocabulary."""
+        from stepahead.models.loading.loader import load_model_config
+
+        draft = load_model_config(
+            path, device, dtype=target.dtype,
+            max_model_len=target.max_model_len, seed=self.seed, use_cache=self.model_cache, revision=self.revision,
+            download_dir=self.download_dir, quantization=quantization)
+        check_field(draft.vocab_size == target.vocab_size, "speculative_config.model", path,
+                    f"has a vocabulary of {draft.vocab_size} tokens, the target model {target.vocab_size}: a draft "
+                    "model must share the target's tokenizer")
+        return draft
 
 
 def check_parallel(parallel: ParallelConfig, model_config, device: str, executor: str) -> None:

@@ -39,6 +39,7 @@ class ProfiledRunner(Protocol):
     staging: StagingBuffer
     attention_backend: Any
     model: Any
+    spec: Any  # SpecDecoder | None (its draft model's KV shares the pool's blocks)
 
     def new_kv_cache(self, num_blocks: int) -> PagedKVCache: ...
 
@@ -95,8 +96,9 @@ def blocks_from_memory(runner: ProfiledRunner, gpu_memory_utilization: float, ma
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()
     profile = MemoryProfile(total, total - free, largest_step, graphs)
-    bytes_per_block = runner.block_size * runner.config.model_config.kv_bytes_per_token(
-        runner.config.cache_config.cache_dtype)
+    # A draft model keeps its own KV for the same block ids: a block costs both models' bytes.
+    bytes_per_block = runner.block_size * (runner.config.model_config.kv_bytes_per_token(
+        runner.config.cache_config.cache_dtype) + (runner.spec.kv_bytes_per_token() if runner.spec else 0))
     num_blocks = kv_pool_blocks(profile, gpu_memory_utilization, bytes_per_block,
                                 runner.config.cache_config.num_blocks)
     if num_blocks - 1 < max_blocks_per_seq:

@@ -41,7 +41,7 @@ from stepahead.worker.row_failures import RowsApart, sample_rows_apart
 from stepahead.worker.sampled_feed import SampledTokenFeed
 from stepahead.worker.sampler import SamplerOutput, apply_bitmask, logprobs_to_host, sample
 from stepahead.worker.sampling_metadata import RowSampling, SamplingMetadata
-from stepahead.worker.spec.spec_decoder import SpecDecoder
+from stepahead.worker.spec.spec_decoder import SpecDecoder, make_proposer
 from stepahead.worker.staging import StagingBuffer
 
 logger = logging.getLogger(__name__)
@@ -132,8 +132,6 @@ class ModelRunner:
                              f"{sched_config.num_speculative_tokens}")
         if spec_config is not None and ps.world_size > 1:
             raise ValueError(f"speculative_config runs on one worker rank, not {ps.world_size}")
-        # Drafts proposed here after sampling and verified in the next forward pass (worker/spec/).
-        self.spec = SpecDecoder(spec_config, sched_config.max_model_len) if spec_config is not None else None
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(model_config.seed)
@@ -141,6 +139,9 @@ class ModelRunner:
         self.dtype = TORCH_DTYPES[model_config.dtype]
         self.block_size = cache_config.block_size
         self.model = load_model(model_config, config.device, ps)
+        # Drafts proposed here after sampling and verified in the next forward pass (worker/spec/); a
+        # draft model loads here, before the KV pool is sized around both models.
+        self.spec = SpecDecoder(spec_config, make_proposer(config)) if spec_config is not None else None
         if onednn_linear.available(self.device, self.dtype):
             self.model.use_onednn()
         if self.device.type == "cuda" and config.attention_backend == "triton":
@@ -173,6 +174,8 @@ class ModelRunner:
         elif self.device.type == "cuda":  # compile the kernels a prefill uses before the first request
             kv_memory.dummy_step(self, min(64, sched_config.max_num_batched_tokens, 2 * sched_config.max_model_len), 2)
         self.kv_cache = self.new_kv_cache(self.num_kv_blocks)
+        if self.spec is not None:
+            self.spec.allocate_kv(self.num_kv_blocks)
         # Decode-only steps replay a captured forward pass: CUDA with the Triton backend, unless eager
         # or the model waits on the device within a step (experts run one at a time, models/moe.py).
         self.decode_graphs: DecodeGraphs | None = None
@@ -550,7 +553,8 @@ class ModelRunner:
         """Speculative decoding's sampling (worker/spec/spec_decoder.py): every position sampled, the
         drafts verified, the next drafts proposed; the verified tokens are on the host afterwards."""
         assert self.spec is not None and step.sample_drafts is not None
-        verified = self.spec.sample_and_verify(logits, rows, step.sample_drafts)
+        verified = self.spec.sample_and_verify(logits, rows, step.sample_drafts,
+                                               [state.draft.verifying_probs for state in states])
         proposals = self.spec.propose(states, step.sample_drafts, verified)
         self.prev_req_id_to_row = {}  # nothing to substitute on the device: the host holds every token
         out = self._account(self.spec.to_output(step.req_ids, step.sample_rows, verified, proposals), step, t0,

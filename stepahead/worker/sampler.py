@@ -38,7 +38,7 @@ from stepahead.outputs import LOGPROB_FLOOR
 from stepahead.worker.sampling_metadata import RowSampling, SamplingMetadata
 
 __all__ = ["RowSampling", "SamplerOutput", "SamplingMetadata", "apply_bitmask", "apply_bitmask_torch", "counter_uniforms",
-           "greedy_ids", "logprobs_to_host", "sample", "sample_rows"]
+           "greedy_ids", "logprobs_to_host", "sample", "sample_rows", "sampling_probs"]
 
 TOP_CANDIDATES = 256  # with candidate_search, top-k/top-p rows sample among this many unless wider
 _MASK32 = 0xFFFFFFFF
@@ -321,6 +321,34 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
     if raw_logprobs is not None:
         _fill_logprobs(out, raw_logprobs, md)
     return out
+
+
+def sampling_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """The distribution `sample` draws each row from, as float32 probabilities [num_rows, vocab]: the same
+    masks, bias, penalties, temperature, top-k, top-p and min-p (greedy rows: one-hot on their argmax).
+    Speculative decoding's general rejection rule compares it with a draft's distribution."""
+    if md.allowed_mask is not None:
+        _apply_allowed(logits, md)
+    if md.any_min_tokens:
+        _apply_min_tokens(logits, md)
+    if md.any_logit_bias:
+        logits = _biased(logits, md)
+    if md.any_penalties:
+        logits = _penalized(logits, md)
+    probs = torch.zeros_like(logits).scatter_(1, greedy_ids(logits).unsqueeze(1), 1.0)
+    if md.all_greedy:
+        return probs
+    x = logits.index_select(0, md.random_rows) / md.temperature.unsqueeze(1)
+    vals, idx = x.sort(dim=1, descending=True)
+    has_k = md.top_k > 0
+    ranks = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+    vals = vals.masked_fill(has_k.unsqueeze(1) & (ranks >= md.top_k.unsqueeze(1)), float("-inf"))
+    p = vals.softmax(dim=1)  # over the kept top-k: top-p's nucleus is of that distribution, as in sampling
+    p = p.masked_fill((md.top_p < 1.0).unsqueeze(1) & (p.cumsum(dim=1) - p > md.top_p.unsqueeze(1)), 0.0)
+    if md.any_min_p:
+        p = p.masked_fill(p < md.min_p.unsqueeze(1) * p[:, :1], 0.0)
+    p = p / p.sum(dim=1, keepdim=True)
+    return probs.index_copy_(0, md.random_rows, torch.zeros_like(p).scatter_(1, idx, p))
 
 
 def _fill_logprobs(out: SamplerOutput, raw: torch.Tensor, md: SamplingMetadata) -> None:

@@ -276,8 +276,10 @@ def test_off_by_default_nothing_drafted():
 
 
 def test_speculative_config_refuses_what_the_worker_cannot_run():
-    with pytest.raises(ValueError, match="speculative_config.method is not supported yet"):
+    with pytest.raises(ValueError, match="speculative_config.model must name the draft checkpoint"):
         EngineArgs(speculative_config='{"method": "draft_model", "num_speculative_tokens": 4}')
+    with pytest.raises(ValueError, match="speculative_config.model must name .* only for it, got .x."):
+        EngineArgs(speculative_config='{"method": "ngram", "num_speculative_tokens": 4, "model": "x"}')
     with pytest.raises(ValueError, match="speculative_config runs on one worker rank"):
         EngineArgs(speculative_config='{"method": "ngram", "num_speculative_tokens": 4}', tensor_parallel_size=2)
     with pytest.raises(ValueError, match="prompt_lookup_max must be an int >= prompt_lookup_min"):

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 MISSES_BEFORE_PAUSE = 3
 FIRST_PAUSE_STEPS = 8
 MAX_PAUSE_STEPS = 128
@@ -31,6 +33,9 @@ class DraftTrack:
     paused_for: int = 0  # sampling steps left without proposing
     next_pause: int = FIRST_PAUSE_STEPS
     accepted_average: float | None = None  # moving average of accepted drafts per verifying step; None: none yet
+    model_computed: int = 0  # draft model: positions of real tokens whose KV the draft model holds
+    probs: torch.Tensor | None = None  # [len(drafts), vocab]: the q each draft was drawn from; None: one-hot
+    verifying_probs: torch.Tensor | None = None  # q of the drafts the current step verifies (padding one-hot)
 
     def note_verified(self, num_accepted: int) -> None:
         """The current step accepted num_accepted drafts; it counts only where it verified proposals
@@ -80,4 +85,6 @@ class DraftTrack:
     def reset(self) -> None:
         """Preempted and resumed: the drafts were for a context the worker no longer holds."""
         self.drafts = []
+        self.probs = self.verifying_probs = None
         self.num_verifying = 0
+        self.model_computed = 0

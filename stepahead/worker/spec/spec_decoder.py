@@ -5,8 +5,8 @@ on the worker").
 The model runner calls in at three points: laying out a step's tokens (`step_drafts`: the drafts
 follow the request's last known token), keeping its own count of computed positions
 (`num_computed`: the scheduler's runs ahead by rejections it has not processed yet), and sampling
-(`sample_and_verify`, then `propose`). Everything here is per request on the host: the n-gram
-proposer reads the verified tokens there, so the runner reads each step's samples back at once.
+(`sample_and_verify`, then `propose`). The verified tokens are read back to the host at once: the
+proposers (proposer.py: the n-gram per request on the host, the draft model batched) start from them.
 """
 
 from __future__ import annotations
@@ -16,14 +16,17 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from stepahead.config import SpeculativeConfig
+from stepahead.config import EngineConfig, SpeculativeConfig
 from stepahead.core.sched_output import ModelRunnerOutput, TokenLogprobs
 from stepahead.worker.request_state import CachedRequestState
 from stepahead.worker.row_failures import sample_rows_apart
-from stepahead.worker.sampler import logprobs_to_host, sample
+from stepahead.worker.sampler import logprobs_to_host, sample, sampling_probs
 from stepahead.worker.sampling_metadata import RowSampling, SamplingMetadata
+from stepahead.worker.spec import spec_uniforms
+from stepahead.worker.spec.draft_model_proposer import DraftModelProposer
 from stepahead.worker.spec.ngram_proposer import NgramProposer
-from stepahead.worker.spec.rejection_sampler import accept_drafts
+from stepahead.worker.spec.proposer import PerRequestProposer, Proposer
+from stepahead.worker.spec.rejection_sampler import accept_drafts, rejection_sample
 
 
 @dataclass
@@ -56,31 +59,63 @@ def expand_rows(rows: list[RowSampling], drafts: list[list[int]]) -> list[RowSam
     return expanded
 
 
+def ngram_proposer(spec: SpeculativeConfig, max_model_len: int) -> Proposer:
+    ngram = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min or 1, spec.prompt_lookup_max or 1,
+                          max_model_len)
+    return PerRequestProposer(ngram.propose)
+
+
+def make_proposer(config: EngineConfig) -> Proposer:
+    """The proposer of speculative_config.method (a draft model loads here)."""
+    spec = config.speculative_config
+    if spec is None:
+        raise ValueError("speculative decoding needs a speculative_config")
+    if spec.method == "ngram":
+        return ngram_proposer(spec, config.scheduler_config.max_model_len)
+    if spec.method == "draft_model":
+        return DraftModelProposer(config)
+    raise ValueError(f"speculative_config.method {spec.method!r} has no proposer on the worker")
+
+
 class SpecDecoder:
     """Owns the proposer; the per-request drafting state lives in each CachedRequestState.draft."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
-        if config.method != "ngram":
-            raise ValueError(f"speculative_config.method {config.method!r} has no proposer on the worker")
-        self.num_speculative_tokens = config.num_speculative_tokens
-        self.disable_by_batch_size = config.disable_by_batch_size
-        self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min or 1,
-                                      config.prompt_lookup_max or 1, max_model_len)
+    def __init__(self, spec: SpeculativeConfig, proposer: Proposer) -> None:
+        self.num_speculative_tokens = spec.num_speculative_tokens
+        self.disable_by_batch_size = spec.disable_by_batch_size
+        self.proposer = proposer
+
+    def kv_bytes_per_token(self) -> int:
+        """What the proposer keeps per token of the target's KV pool (a draft model's own KV)."""
+        return self.proposer.kv_bytes_per_token() if isinstance(self.proposer, DraftModelProposer) else 0
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        """Once the target's pool size is known: the proposer's KV over the same block ids."""
+        if isinstance(self.proposer, DraftModelProposer):
+            self.proposer.allocate_kv(num_blocks)
 
     def step_drafts(self, state: CachedRequestState, scheduled: list[int] | None) -> list[int]:
         """The drafts a step verifies after the request's last known token: the ids the synchronous
         scheduler sent back, or this worker's own for async scheduling's -1 placeholders (the last
         token repeated where it proposed fewer than the scheduler reserved: such a draft may even hit)."""
         track = state.draft
+        track.verifying_probs = None
         if not scheduled:
             track.num_verifying = 0
             return []
         if scheduled[0] != -1:
             track.num_verifying = len(scheduled)
+            if track.probs is not None and list(scheduled) == track.drafts[:len(scheduled)]:
+                track.verifying_probs = track.probs[:len(scheduled)]
             return list(scheduled)
         own = track.drafts[:len(scheduled)]
         track.num_verifying = len(own)
-        return own + [state.token_ids[-1]] * (len(scheduled) - len(own))
+        padding = [state.token_ids[-1]] * (len(scheduled) - len(own))
+        if track.probs is not None and own:
+            one_hot = track.probs.new_zeros(len(padding), track.probs.shape[1])
+            one_hot[:, state.token_ids[-1]] = 1.0
+            track.verifying_probs = torch.cat([track.probs[:len(own)], one_hot])
+        return own + padding
 
     @staticmethod
     def num_computed(state: CachedRequestState, scheduler_count: int) -> int:
@@ -91,14 +126,16 @@ class SpecDecoder:
                                f"positions, the worker has {state.num_computed_tokens}")
         return state.num_computed_tokens
 
-    def sample_and_verify(self, logits: torch.Tensor, rows: list[RowSampling],
-                          drafts: list[list[int]]) -> VerifiedStep:
-        """logits: one row per position, request after request (1 + len(drafts[r]) each)."""
+    def sample_and_verify(self, logits: torch.Tensor, rows: list[RowSampling], drafts: list[list[int]],
+                          draft_probs: list[torch.Tensor | None] | None = None) -> VerifiedStep:
+        """logits: one row per position, request after request (1 + len(drafts[r]) each). draft_probs:
+        per request the q its drafts were drawn from (None: one-hot drafts, or none)."""
         if not rows:
             return VerifiedStep([])
         expanded = expand_rows(rows, drafts)
         row_logprobs: dict[int, TokenLogprobs] = {}
         failed_positions: dict[int, str] = {}
+        md: SamplingMetadata | None = None
         try:
             md = SamplingMetadata.from_rows(expanded, logits.shape[1], logits.device)
             sampled = sample(logits, md)
@@ -108,7 +145,10 @@ class SpecDecoder:
         except Exception as e:  # a row's failure fails its request, not the step
             apart = sample_rows_apart(logits, expanded, e)
             targets, row_logprobs, failed_positions = apart.token_ids, apart.logprobs, apart.failed
+            md = None  # sampled row by row: keep the one-hot rule's tokens
         step = VerifiedStep(accept_drafts(drafts, targets))
+        if draft_probs is not None and md is not None:
+            self._verify_drawn_drafts(step, logits, md, rows, drafts, draft_probs)
         first = 0
         for i, (row_drafts, tokens) in enumerate(zip(drafts, step.tokens, strict=True)):
             positions = range(first, first + len(row_drafts) + 1)
@@ -120,29 +160,62 @@ class SpecDecoder:
             first += len(row_drafts) + 1
         return step
 
+    @staticmethod
+    def _verify_drawn_drafts(step: VerifiedStep, logits: torch.Tensor, md: SamplingMetadata, rows: list[RowSampling],
+                             drafts: list[list[int]], draft_probs: list[torch.Tensor | None]) -> None:
+        """Rows whose drafts were drawn from a q get the general rule's tokens (rejection_sampler.py);
+        not rows with logprobs, whose tokens keep the one-hot rule's (valid for any drafts, and the
+        logprobs computed are of its tokens)."""
+        general = [i for i, q in enumerate(draft_probs) if q is not None and drafts[i] and
+                   rows[i].params.logprobs is None and not rows[i].params.is_greedy]
+        if not general:
+            return
+        first = np.cumsum([0] + [1 + len(d) for d in drafts]).tolist()
+        positions = [first[i] + j for i in general for j in range(1 + len(drafts[i]))]
+        p = sampling_probs(logits, md).index_select(0, torch.tensor(positions, device=logits.device))
+        q = torch.cat([draft_probs[i] for i in general])  # type: ignore[misc]
+        ids = torch.tensor([x for i in general for x in drafts[i]], dtype=torch.long, device=logits.device)
+        params = [rows[i].params for i in general for _ in range(1 + len(drafts[i]))]
+        index = [rows[i].num_output_tokens + j for i in general for j in range(1 + len(drafts[i]))]
+        is_draft = [j < len(drafts[i]) for i in general for j in range(1 + len(drafts[i]))]
+        accept_u = spec_uniforms.uniforms(params, index, spec_uniforms.ACCEPT, logits.device)
+        resample_u = spec_uniforms.uniforms(params, index, spec_uniforms.RESAMPLE, logits.device)
+        tokens = rejection_sample(p, q, ids, [len(drafts[i]) for i in general],
+                                  accept_u[torch.tensor(is_draft, device=logits.device)], resample_u)
+        for i, row_tokens in zip(general, tokens, strict=True):
+            step.tokens[i] = row_tokens
+
     def propose(self, states: list[CachedRequestState], drafts: list[list[int]],
                 step: VerifiedStep) -> Proposals:
         """Append each request's verified tokens, give back its rejected positions, and propose its
         next drafts (none for a grammar request: its drafts would need the grammar's check first)."""
-        out = Proposals({}, {})
         # A batch this large drafts nothing (speculative_config.disable_by_batch_size).
         k = self.num_speculative_tokens if self.disable_by_batch_size is None or \
             len(states) < self.disable_by_batch_size else 0
+        drafting, asking, max_drafts = [], [], []
         for state, row_drafts, tokens in zip(states, drafts, step.tokens, strict=True):
             state.token_ids.extend(tokens)
             state.num_computed_tokens -= len(row_drafts) - (len(tokens) - 1)
             track = state.draft
             track.note_verified(len(tokens) - 1)
-            track.drafts = []
+            track.drafts, track.probs = [], None
             if state.sampling_params.structured_outputs is not None:
                 continue
+            drafting.append(state)
             if k and track.may_propose():
-                proposed = self.proposer.propose(np.asarray(state.token_ids, dtype=np.int64))
-                track.drafts = proposed[:track.num_drafts(k)].tolist()
-                if not track.drafts:
-                    track.note_no_proposal()
-            out.draft_token_ids[state.req_id] = list(track.drafts)
-            out.draft_slots[state.req_id] = len(track.drafts)
+                asking.append(state)
+                max_drafts.append(track.num_drafts(k))
+        if asking:  # one call for the batch: a draft model runs its passes across every request at once
+            proposed = self.proposer.propose(asking, max_drafts)
+            for i, (state, ids) in enumerate(zip(asking, proposed.token_ids, strict=True)):
+                state.draft.drafts = ids
+                state.draft.probs = proposed.probs_of(i)
+                if not ids:
+                    state.draft.note_no_proposal()
+        out = Proposals({}, {})
+        for state in drafting:
+            out.draft_token_ids[state.req_id] = list(state.draft.drafts)
+            out.draft_slots[state.req_id] = len(state.draft.drafts)
         return out
 
     @staticmethod

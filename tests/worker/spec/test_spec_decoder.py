@@ -9,11 +9,16 @@ import torch
 from stepahead.config import SpeculativeConfig
 from stepahead.sampling_params import SamplingParams
 from stepahead.worker.request_state import CachedRequestState
-from stepahead.worker.sampling_metadata import RowSampling
+from stepahead.worker.sampler import sample, sampling_probs
+from stepahead.worker.sampling_metadata import RowSampling, SamplingMetadata
 from stepahead.worker.spec.draft_track import FIRST_PAUSE_STEPS, MISSES_BEFORE_PAUSE, DraftTrack
-from stepahead.worker.spec.spec_decoder import SpecDecoder, VerifiedStep
+from stepahead.worker.spec.spec_decoder import SpecDecoder, VerifiedStep, ngram_proposer
 
 VOCAB = 6
+
+
+def _decoder(config: SpeculativeConfig) -> SpecDecoder:
+    return SpecDecoder(config, ngram_proposer(config, max_model_len=64))
 
 
 def _chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
@@ -35,7 +40,7 @@ def test_random_rows_keep_the_target_distribution():
     logits = torch.tensor(np.log(np.stack([p0, p1])), dtype=torch.float32).repeat(num, 1)
     params = SamplingParams(temperature=1.0, max_tokens=8)
     rows = [RowSampling(params, [1], [], []) for _ in range(num)]
-    decoder = SpecDecoder(SpeculativeConfig("ngram", 1), max_model_len=64)
+    decoder = _decoder(SpeculativeConfig("ngram", 1))
     step = decoder.sample_and_verify(logits, rows, [[draft]] * num)
     first = np.array([tokens[0] for tokens in step.tokens])
     second = np.array([tokens[1] for tokens in step.tokens if len(tokens) == 2])
@@ -52,7 +57,7 @@ def test_seeded_rows_give_the_undrafted_tokens():
     torch.manual_seed(1)
     logits = torch.randn(4, 50)
     params = SamplingParams(temperature=0.9, seed=1234, max_tokens=8)
-    decoder = SpecDecoder(SpeculativeConfig("ngram", 3), max_model_len=64)
+    decoder = _decoder(SpeculativeConfig("ngram", 3))
     alone = [decoder.sample_and_verify(logits[j:j + 1].clone(), [RowSampling(params, [1], [], [], 5 + j)], [[]])
              .tokens[0][0] for j in range(4)]
     drafted = decoder.sample_and_verify(logits.clone(), [RowSampling(params, [1], [], [], 5)], [alone[:3]])
@@ -73,7 +78,7 @@ def test_drafting_pauses_while_it_misses_and_resumes():
 
 
 def test_propose_reports_slots_and_rolls_back_rejections():
-    decoder = SpecDecoder(SpeculativeConfig("ngram", 2, prompt_lookup_min=1, prompt_lookup_max=2), max_model_len=64)
+    decoder = _decoder(SpeculativeConfig("ngram", 2, prompt_lookup_min=1, prompt_lookup_max=2))
     state = CachedRequestState("r", [5, 6, 7], [5, 6, 7, 5], [1], 6, SamplingParams(max_tokens=8))
     drafts = decoder.step_drafts(state, [-1, -1])  # nothing proposed yet: padding, which counts for nothing
     assert drafts == [5, 5] and state.draft.num_verifying == 0
@@ -101,7 +106,7 @@ def test_draft_count_follows_what_the_request_accepts():
 
 def test_a_large_batch_drafts_nothing():
     config = SpeculativeConfig("ngram", 2, prompt_lookup_min=1, prompt_lookup_max=2, disable_by_batch_size=2)
-    decoder = SpecDecoder(config, max_model_len=64)
+    decoder = _decoder(config)
 
     def states(n):
         return [CachedRequestState(f"r{i}", [5, 6, 7], [5, 6, 7, 5], [1], 4, SamplingParams(max_tokens=8))
@@ -114,3 +119,25 @@ def test_a_large_batch_drafts_nothing():
     assert out.draft_token_ids == {"r0": [7, 5]} and out.draft_slots == {"r0": 2}
     with pytest.raises(ValueError, match="disable_by_batch_size must be an int >= 1"):
         SpeculativeConfig("ngram", 2, disable_by_batch_size=0)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.8, top_k=4, top_p=0.85),
+    SamplingParams(temperature=1.3, min_p=0.1, presence_penalty=0.4, repetition_penalty=1.2),
+    SamplingParams(temperature=1.5, top_p=0.9, logit_bias={3: 0.5}),
+], ids=["top_k_top_p", "min_p_penalties", "top_p_bias"])
+def test_sampling_probs_is_the_law_sample_draws_from(params):
+    """sampling_probs (the p of the general rejection rule) against sample's own draws."""
+    draws = 20000
+    logits = torch.tensor([[1.0, 0.2, -0.5, 0.8, 0.1, -1.0]]).repeat(draws, 1)
+    rows = [RowSampling(params, [0, 4], [1, 1, 5], [], 3)] * draws
+    md = SamplingMetadata.from_rows(rows, VOCAB, "cpu")
+    torch.manual_seed(3)
+    tokens = sample(logits.clone(), md).sampled_token_ids.numpy()
+    p = sampling_probs(logits[:1].clone(), SamplingMetadata.from_rows(rows[:1], VOCAB, "cpu"))[0].double().numpy()
+    assert abs(p.sum() - 1) < 1e-5
+    kept = p > 0
+    counts = np.bincount(tokens, minlength=VOCAB)
+    assert (counts[~kept] == 0).all()  # what p excludes is never drawn
+    assert _chi_square_p(counts[kept], p[kept]) > 1e-3
+    assert kept.sum() >= 3 and _chi_square_p(counts[kept], np.roll(p[kept], 1)) < 1e-6
