@@ -79,9 +79,11 @@ class EngineCore:
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._finished_by_reason: dict[str, int] = {}
-        # Tokens of each step since the last take_step_tokens (the server's iteration_tokens_total);
-        # None: nobody reads them, so nothing is kept.
+        # Tokens of each step since the last take_step_tokens (the server's iteration_tokens_total, as
+        # vLLM counts them: the tokens a step generated plus the prompts of the requests whose first token
+        # it generated); None: nobody reads them, so nothing is kept.
         self._step_tokens: list[int] | None = None
+        self._prompts_before_first_token: dict[str, int] = {}
 
     # -- requests ----------------------------------------------------------------------------------
 
@@ -90,6 +92,7 @@ class EngineCore:
         with self._step_lock:
             self.scheduler.add_request(request)
         self._prompt_tokens += request.num_prompt_tokens
+        self._prompts_before_first_token[request.request_id] = request.num_prompt_tokens
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Thread-safe. Applied before the next update_from_output, or now if nothing is in flight."""
@@ -107,6 +110,8 @@ class EngineCore:
             ids, self._aborts = self._aborts, []
         if not ids:
             return
+        for rid in ids:
+            self._prompts_before_first_token.pop(rid, None)
         live = [rid for rid in ids if rid in self.scheduler.requests]
         self.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
         self._count_finished("abort", len(live))
@@ -254,10 +259,11 @@ class EngineCore:
     def _update(self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         start = time.monotonic()
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        step_tokens = self._count_step_tokens(outputs)
         if scheduler_output.total_num_scheduled_tokens > 0:
             self._forward_steps += 1
             if self._step_tokens is not None:
-                self._step_tokens.append(scheduler_output.total_num_scheduled_tokens)
+                self._step_tokens.append(step_tokens)
         self._busy_s += model_output.busy_s
         self._gpu_busy_s += model_output.gpu_busy_s
         if self._trace:
@@ -327,6 +333,15 @@ class EngineCore:
             spec_num_accepted_tokens=sched.num_accepted_tokens,
             spec_accepted_per_pos=list(sched.num_accepted_tokens_per_pos),
         )
+
+    def _count_step_tokens(self, outputs: list[EngineCoreOutput]) -> int:
+        """The tokens these outputs generated, plus the prompt of each request they carry the first token
+        (or the end) of: a prefill step counts its prompts and their first tokens."""
+        tokens = 0
+        for out in outputs:
+            if out.new_token_ids or out.finished:
+                tokens += len(out.new_token_ids) + self._prompts_before_first_token.pop(out.request_id, 0)
+        return tokens
 
     def take_step_tokens(self) -> list[int]:
         """Each step's token count since the last call (the first call starts the recording)."""

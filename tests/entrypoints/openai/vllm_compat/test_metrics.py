@@ -33,8 +33,6 @@ def _metrics(http) -> dict[str, float]:
     return parse_metrics(resp.text)
 
 
-@pytest.mark.xfail(strict=True, reason="iteration_tokens_total counts each step's scheduled tokens (a prefill "
-                   "step: the prompt); vLLM's counts prompt plus generated tokens (the prompt and the first token)")
 def test_metrics_counts(client, http, tokenizer):
     prompt_ids = tokenizer.encode(PROMPT)
     num_requests, max_tokens = 10, 10
