@@ -12,7 +12,7 @@
 namespace stepahead_cpu {
 
 // Whether this process attends on AVX-512's 16-float vectors: the CPU (and its OS) has AVX-512 F, BW,
-// VL and DQ, and STEPAHEAD_MAX_CPU_ISA does not say avx2. Decided once: it cannot change while a
+// VL and DQ, and STEPAHEAD_MAX_CPU_ISA says neither avx2 nor avx512_vnni (256-bit vectors). Decided once: it cannot change while a
 // process runs, so every row of every step takes the same path (paged_decode_avx512.cpp).
 bool attention_uses_avx512();
 

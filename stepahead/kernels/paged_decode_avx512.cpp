@@ -33,7 +33,8 @@ bool attention_uses_avx512() {
 #if defined(__GNUC__) && !defined(__clang__)
   static const bool wide = [] {
     const char* cap = std::getenv("STEPAHEAD_MAX_CPU_ISA");
-    if (cap != nullptr && std::string(cap) == "avx2") return false;
+    // avx512_vnni caps the packed GEMM at 256-bit vectors: no 512-bit ones here either
+    if (cap != nullptr && (std::string(cap) == "avx2" || std::string(cap) == "avx512_vnni")) return false;
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
