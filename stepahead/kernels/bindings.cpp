@@ -19,6 +19,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("round_to_bf16_", &stepahead_cpu::round_to_bf16_, no_gil);
   m.def("rotary_embedding", &stepahead_cpu::rotary_embedding, no_gil);
   m.def("paged_decode_attention", &stepahead_cpu::paged_decode_attention, no_gil);
+  m.def("paged_decode_isa", &stepahead_cpu::paged_decode_isa);
   m.def("write_kv_rows", &stepahead_cpu::write_kv_rows, no_gil);
   py::class_<stepahead_cpu::DecodeStack>(m, "DecodeStack")
       .def(py::init<const std::vector<std::vector<at::Tensor>>&, const std::vector<std::vector<int64_t>>&, int64_t,

@@ -71,6 +71,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                   softcap or 0.0)
 
 
+def attention_instruction_set() -> str:
+    """What paged_decode_attention computes on in this process: "avx512" (16-float vectors, on a CPU
+    with AVX-512, for heads of a multiple of 64 floats) or "avx2". Decided at the first call for the
+    whole process; STEPAHEAD_MAX_CPU_ISA=avx2 or avx512_vnni (the packed GEMM's cap at 256-bit vectors),
+    set before it, keeps "avx2" (A/B runs, tests)."""
+    return str(_op("paged_decode_isa")())
+
+
 def write_kv_rows(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slot_mapping: torch.Tensor) -> None:
     """The new tokens' k and v [tokens, kv_heads, head_dim] (float32, unit stride within a head) into

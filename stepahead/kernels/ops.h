@@ -35,6 +35,10 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
                             const at::Tensor& block_table, const at::Tensor& seq_lens, double scale, at::Tensor& out,
                             int64_t window, double softcap);
 
+// Which vectors paged_decode_attention computes on here: "avx512" (16 floats, for heads of a multiple
+// of 64 floats) or "avx2" (paged_decode_avx512.cpp says how their bits differ).
+std::string paged_decode_isa();
+
 // The new tokens' k and v [tokens, kv_heads, head_dim] (float32, unit stride within a head) into the
 // paged caches at slot_mapping [tokens], converted to the caches' type, and k and v rewritten in place
 // with the values the caches now hold (kv_store.cpp). Fails on a value beyond a float16 cache's range.

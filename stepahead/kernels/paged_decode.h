@@ -11,6 +11,11 @@
 
 namespace stepahead_cpu {
 
+// Whether this process attends on AVX-512's 16-float vectors: the CPU (and its OS) has AVX-512 F, BW,
+// VL and DQ, and STEPAHEAD_MAX_CPU_ISA says neither avx2 nor avx512_vnni (256-bit vectors). Decided once: it cannot change while a
+// process runs, so every row of every step takes the same path (paged_decode_avx512.cpp).
+bool attention_uses_avx512();
+
 // One step's attention over the paged cache, a query per row (a generated token's, or a prompt's):
 // tiles x KV heads tasks, each independent. A tile is one row, or consecutive rows that read the same
 // keys (a prompt's tokens), computed together with each row's bits unchanged.
@@ -35,13 +40,16 @@ class PagedDecode {
   void warm(int64_t task, Warmer& warmer) const;
 
  private:
-  // run() over caches of element type T: float, c10::BFloat16 or c10::Half
-  template <typename T>
+  // run() over caches of element type T (float, c10::BFloat16 or c10::Half) on vectors V
+  // (paged_decode_loops.h)
+  template <typename T, class V>
   void run_as(int64_t task, std::vector<float>& scratch) const;
-  template <typename T>
+  template <typename T, class V>
   void run_row(int64_t row, int64_t kv_head, std::vector<float>& scratch) const;
-  template <typename T>
+  template <typename T, class V>
   void run_tile(int64_t first, int64_t end, int64_t kv_head, std::vector<float>& scratch) const;
+  // run() on AVX-512's vectors (paged_decode_avx512.cpp)
+  void run_wide(int64_t task, std::vector<float>& scratch) const;
   // The row's first key inside its window (0 without one).
   int64_t first_key(int64_t row) const { return window_ > 0 ? std::max<int64_t>(0, lens_[row] - window_) : 0; }
   // Scores [from, len) of one head's row capped by softcap_ (when set).
@@ -59,6 +67,7 @@ class PagedDecode {
   float scale_;
   int64_t window_;
   float softcap_;
+  bool wide_;  // on AVX-512's 16-float vectors
   std::vector<int64_t> tile_starts_;  // each tile's first row, then rows_
 };
 
