@@ -80,33 +80,20 @@ struct TileConfig {
   uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
 };
 
-// The formats with an AMX path. low(j, s, chunk, high): B_low's 16 int16 lanes for pair kSlots j + s
-// from the record's chunk j (two tiles side by side), zero high bytes; `high`: the fifth bits (Q5).
-struct AmxQ4 {
-  static constexpr PackedWeight::Format kFormat = PackedWeight::Format::kQ4;
-  static constexpr int kSlots = 4, kChunks = 4;
-  static constexpr bool kSigned = false, kHasMins = true, kFifthBits = false;
+// The formats with an AMX path: kSlots pairs of inputs per int16 lane of kChunks chunks of 32 bytes
+// (packed_gemm.cpp's layout), signed codes (Q8_0) or unsigned ones, mins, and fifth bits in a chunk
+// after the nibbles (Q5_0, Q5_1, Q5_K).
+template <PackedWeight::Format Format, int Slots, bool Signed, bool FifthBits>
+struct AmxFormat {
+  static constexpr PackedWeight::Format kFormat = Format;
+  static constexpr int kSlots = Slots, kChunks = 16 / Slots;
+  static constexpr bool kSigned = Signed, kHasMins = !Signed, kFifthBits = FifthBits;
 };
-struct AmxQ5 {
-  static constexpr PackedWeight::Format kFormat = PackedWeight::Format::kQ5;
-  static constexpr int kSlots = 4, kChunks = 4;
-  static constexpr bool kSigned = false, kHasMins = true, kFifthBits = true;
-};
-struct AmxQ8 {
-  static constexpr PackedWeight::Format kFormat = PackedWeight::Format::kQ8;
-  static constexpr int kSlots = 2, kChunks = 8;
-  static constexpr bool kSigned = true, kHasMins = false, kFifthBits = false;
-};
-struct AmxQ4K {
-  static constexpr PackedWeight::Format kFormat = PackedWeight::Format::kQ4K;
-  static constexpr int kSlots = 4, kChunks = 4;
-  static constexpr bool kSigned = false, kHasMins = true, kFifthBits = false;
-};
-struct AmxQ5K {
-  static constexpr PackedWeight::Format kFormat = PackedWeight::Format::kQ5K;
-  static constexpr int kSlots = 4, kChunks = 4;
-  static constexpr bool kSigned = false, kHasMins = true, kFifthBits = true;
-};
+using AmxQ4 = AmxFormat<PackedWeight::Format::kQ4, 4, false, false>;
+using AmxQ5 = AmxFormat<PackedWeight::Format::kQ5, 4, false, true>;
+using AmxQ8 = AmxFormat<PackedWeight::Format::kQ8, 2, true, false>;
+using AmxQ4K = AmxFormat<PackedWeight::Format::kQ4K, 4, false, false>;
+using AmxQ5K = AmxFormat<PackedWeight::Format::kQ5K, 4, false, true>;
 
 // Two tiles' 32-byte chunks as one 64-byte row (columns 0-7, then 8-15); `second` null: zeros.
 STEPAHEAD_AMX_TARGET inline __m512i two_chunks(const uint8_t* first, const uint8_t* second) {
