@@ -21,8 +21,8 @@ bool use_amx();
 using AmxBlockFn = void (*)(const PackedWeight& w, const QuantizedRows& xq, int64_t M, int64_t t, int64_t count,
                             const Output& out, Warmer* warmer);
 
-// The AMX block for this format, or nullptr where this process does not use AMX or the format has no
-// AMX path (Q6_K, whose sub-blocks of 16 inputs are half an AMX group).
+// The AMX block for this format (every packed format has one), or nullptr where this process does
+// not use AMX.
 AmxBlockFn amx_block_runner(PackedWeight::Format format);
 
 }  // namespace stepahead_cpu

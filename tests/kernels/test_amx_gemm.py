@@ -39,7 +39,7 @@ def _formats() -> dict[str, tuple[torch.Tensor, int, int]]:
     for name in ("Q5_0", "Q5_1"):
         _, q5 = _q5(name, 40, 576)
         formats[name] = (cpu_packed.tile_q5(q5.q, q5.scales, q5.mins), 40, 576)
-    for name in ("Q4_K", "Q5_K", "Q6_K"):  # Q6_K has no AMX path: its rows stay on the vector tiles
+    for name in ("Q4_K", "Q5_K", "Q6_K"):  # Q6_K: sub-blocks of 16 inputs, half-size tiles
         _, weight = _kquant_weight(name, 40, 512)
         formats[name] = (kquant_tiles.tile_kquant(weight), 40, 512)
     return formats
