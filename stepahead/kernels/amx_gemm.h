@@ -10,6 +10,9 @@
 namespace stepahead_cpu {
 
 constexpr int64_t kAmxRows = 16;  // rows of one AMX block (a tile's rows)
+// The fewest rows of a panel that go to AMX: at 16 rows building the column block's tile layout costs
+// what the tile unit saves over the 512-bit vector tiles (docs/BENCHMARKS.md, section 14.4).
+constexpr int64_t kAmxMinRows = 32;
 
 // Whether this process multiplies whole blocks of 16 rows with AMX-INT8: the CPU has AMX-TILE,
 // AMX-INT8 and AVX-512 (F, BW), the kernel granted the process the tile state (asked once), and

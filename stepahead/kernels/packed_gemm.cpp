@@ -425,7 +425,7 @@ void multiply(Team::Member& me, const PackedWeight& w, const QuantizedRows& x, i
   me.share(items, claim_size(items, me.members()), [&](int64_t item) {
     const int64_t first = item / blocks * panel, block = item % blocks;
     const int64_t t = block * kTilesPerBlock, count = std::min(kTilesPerBlock, tiles - t);
-    const int64_t rows = std::min(panel, M - first), amx_rows = amx != nullptr ? rows / kAmxRows * kAmxRows : 0;
+    const int64_t rows = std::min(panel, M - first), amx_rows = amx != nullptr && rows >= kAmxMinRows ? rows / kAmxRows * kAmxRows : 0;
     if (amx_rows > 0)
       amx(w, rows_from(first), amx_rows, t, count, Output{out.y + first * stride, out.accumulate, stride}, warmer);
     const int64_t rest = first + amx_rows;

@@ -24,7 +24,7 @@ def _amx():
     if cpu_packed.instruction_set() != "amx_int8":
         pytest.skip("needs a CPU with AMX-INT8 whose kernel grants the process the tile state")
 
-ROW_COUNTS = (1, 15, 16, 17, 31, 32, 33, 64, 200)
+ROW_COUNTS = (1, 15, 16, 17, 31, 32, 33, 48, 49, 64, 200)
 EVERY_ROW_COUNT = (*range(1, 41), 64, 200)  # for the 4-bit and 8-bit records
 
 
