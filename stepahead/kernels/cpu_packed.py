@@ -1,6 +1,7 @@
 """The packed GEMM over 4-, 5- and 8-bit codes and the k-quants (packed_gemm.cpp; built by
 kernels/cpu_build.py; the k-quants' layout in kernels/kquant_tiles.py): AVX2, with AVX-512
-VNNI's vpdpwssd for the dot products where the CPU has it (the same bits, see instruction_set).
+VNNI's vpdpwssd for the dot products where the CPU has it, and AMX-INT8 tiles for whole blocks of 16
+rows where it has those (kernels/amx_gemm.cpp; the same bits each way, see instruction_set).
 
 torch's own weight-only int4 kernel multiplies bf16 activations with weights dequantized in floating
 point; this one keeps GGUF's codes and scales per group of 32 (in tiles of eight columns, tile_q4 /
@@ -35,10 +36,12 @@ def kernel_for(group_size: int) -> str:
 
 
 def instruction_set() -> str:
-    """What the kernels multiply with in this process: "avx512" (two tiles of eight columns per 512-bit
-    vector, vpdpwssd, up to eight rows a pass; a CPU with AVX-512 F, BW, VL and VNNI), "avx512_vnni"
-    (vpdpwssd on 256-bit vectors) or "avx2" (vpmaddwd then vpaddd); the same bits in every case.
-    STEPAHEAD_MAX_CPU_ISA=avx2 or avx512_vnni, set before the first call, caps it (A/B runs, tests)."""
+    """What the kernels multiply with in this process: "amx_int8" (whole blocks of 16 rows on AMX-INT8
+    tiles, the other rows as "avx512"; where the CPU has AMX and Linux grants the tile state), "avx512"
+    (two tiles of eight columns per 512-bit vector, vpdpwssd, up to eight rows a pass; a CPU with
+    AVX-512 F, BW, VL and VNNI), "avx512_vnni" (vpdpwssd on 256-bit vectors) or "avx2" (vpmaddwd then
+    vpaddd); the same bits in every case. STEPAHEAD_MAX_CPU_ISA=avx2, avx512_vnni or avx512, set before
+    the first call, caps it (A/B runs, tests)."""
     return _op("packed_gemm_isa")()
 
 

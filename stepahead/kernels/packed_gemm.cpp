@@ -50,6 +50,7 @@
 #include <string>
 #include <vector>
 
+#include "amx_gemm.h"
 #include "ops.h"
 #include "packed_codes.h"
 #include "packed_gemm.h"
@@ -409,18 +410,29 @@ void multiply(Team::Member& me, const PackedWeight& w, const QuantizedRows& x, i
   const int64_t tiles = (w.N + kTileColumns - 1) / kTileColumns, blocks = (tiles + kTilesPerBlock - 1) / kTilesPerBlock;
   // Rows in panels whose activation codes stay in L2 while every column block passes over them (one
   // panel for a decode step's few rows).
-  const int64_t panel = std::max<int64_t>(4, kPanelBytes / (2 * w.K) / 4 * 4);
+  int64_t panel = std::max<int64_t>(4, kPanelBytes / (2 * w.K) / 4 * 4);
+  // Whole blocks of 16 rows on AMX where this process uses it (amx_gemm.h, the same bits), the rest
+  // on the vector tiles; panels of whole AMX blocks.
+  const AmxBlockFn amx = amx_block_runner(w.format);
+  if (amx != nullptr) panel = std::max<int64_t>(kAmxRows, panel / kAmxRows * kAmxRows);
   const int64_t panels = (M + panel - 1) / panel, items = panels * blocks;
   const BlockRunners runners = block_runners(w.format, isa());
+  const int64_t stride = out.stride ? out.stride : w.N;
+  const auto rows_from = [&](int64_t first) {
+    return QuantizedRows{x.codes + first * x.row_stride, x.scales + first * (x.row_stride / kGroup),
+                         x.sums + first * (x.row_stride / kGroup), x.row_stride};
+  };
   me.share(items, claim_size(items, me.members()), [&](int64_t item) {
     const int64_t first = item / blocks * panel, block = item % blocks;
     const int64_t t = block * kTilesPerBlock, count = std::min(kTilesPerBlock, tiles - t);
-    const QuantizedRows rows{x.codes + first * x.row_stride, x.scales + first * (x.row_stride / kGroup),
-                             x.sums + first * (x.row_stride / kGroup), x.row_stride};
-    const int64_t stride = out.stride ? out.stride : w.N;
-    const Output panel_out{out.y + first * stride, out.accumulate, stride};
+    const int64_t rows = std::min(panel, M - first), amx_rows = amx != nullptr && rows >= kAmxMinRows ? rows / kAmxRows * kAmxRows : 0;
+    if (amx_rows > 0)
+      amx(w, rows_from(first), amx_rows, t, count, Output{out.y + first * stride, out.accumulate, stride}, warmer);
+    const int64_t rest = first + amx_rows;
     const BlockFn run = count == kTilesPerBlock ? runners.pairs : runners.single;
-    run(w, rows, std::min(panel, M - first), t, count, panel_out, warmer);
+    if (rest < first + rows)
+      run(w, rows_from(rest), first + rows - rest, t, count, Output{out.y + rest * stride, out.accumulate, stride},
+          warmer);
   });
 }
 
@@ -458,6 +470,7 @@ PackedParts packed_parts(const std::vector<at::Tensor>& tiles, const at::Tensor&
 }
 
 std::string packed_gemm_isa() {
+  if (use_amx()) return "amx_int8";
   switch (isa()) {
     case Isa::kAvx2: return "avx2";
     case Isa::kVnni: return "avx512_vnni";

@@ -12,7 +12,7 @@ from stepahead.kernels import cpu_build, cpu_packed, kquant_tiles
 from stepahead.models.quant.kquant_weights import KQUANT_TYPES, decode_kquant_blocks, sub_block
 from stepahead.models.quant.quant_weights import decode_gguf_blocks
 from tests.kernels.test_cpu_packed_gemm import _reference as _group_reference
-from tests.kernels.test_cpu_packed_gemm import products_capped_at_avx2
+from tests.kernels.test_cpu_packed_gemm import products_capped_at
 from tests.models.kquant_blocks import quantize_kquant, random_kquant_blocks
 
 pytestmark = pytest.mark.skipif(not cpu_build.machine_can_build(), reason="needs an AVX2 CPU and a C++ compiler")
@@ -142,5 +142,5 @@ def test_vnni_and_avx2_multiply_to_the_same_bits(tmp_path):
     _, q5 = _q5("Q5_1", 40, 512)
     for rows in (1, 2, 3, 4, 7):
         cases.append((torch.randn(rows, 512) * 3, cpu_packed.tile_q5(q5.q, q5.scales, q5.mins), 40))
-    for (x, tiles, n), theirs in zip(cases, products_capped_at_avx2(cases, tmp_path), strict=True):
+    for (x, tiles, n), theirs in zip(cases, products_capped_at("avx2", cases, tmp_path), strict=True):
         assert torch.equal(cpu_packed.packed_gemm(x, tiles, n), theirs)
