@@ -8,7 +8,6 @@ from __future__ import annotations
 import threading
 
 import httpx
-import pytest
 
 from tests.entrypoints.openai.server_utils import metric, parse_metrics, wait_until
 from tests.entrypoints.openai.vllm_compat.conftest import MODEL
