@@ -209,7 +209,9 @@ class ModelRunner:
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         for req_id in scheduler_output.finished_req_ids:
-            self.requests.pop(req_id, None)
+            finished = self.requests.pop(req_id, None)
+            if finished is not None and self.spec is not None:
+                self.spec.finish(finished)
             self.prev_req_id_to_row.pop(req_id, None)
         for new in scheduler_output.scheduled_new_reqs:
             self.requests[new.req_id] = CachedRequestState(

@@ -31,6 +31,7 @@ class DraftTrack:
     paused_for: int = 0  # sampling steps left without proposing
     next_pause: int = FIRST_PAUSE_STEPS
     accepted_average: float | None = None  # moving average of accepted drafts per verifying step; None: none yet
+    resets: int = 0  # times the request resumed (a proposer's index of its tokens is then rebuilt)
 
     def note_verified(self, num_accepted: int) -> None:
         """The current step accepted num_accepted drafts; it counts only where it verified proposals
@@ -81,3 +82,4 @@ class DraftTrack:
         """Preempted and resumed: the drafts were for a context the worker no longer holds."""
         self.drafts = []
         self.num_verifying = 0
+        self.resets += 1

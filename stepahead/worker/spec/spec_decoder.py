@@ -24,6 +24,7 @@ from stepahead.worker.sampler import logprobs_to_host, sample
 from stepahead.worker.sampling_metadata import RowSampling, SamplingMetadata
 from stepahead.worker.spec.ngram_proposer import NgramProposer
 from stepahead.worker.spec.rejection_sampler import accept_drafts
+from stepahead.worker.spec.suffix_proposer import SuffixProposer
 
 
 @dataclass
@@ -60,12 +61,16 @@ class SpecDecoder:
     """Owns the proposer; the per-request drafting state lives in each CachedRequestState.draft."""
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
-        if config.method != "ngram":
+        if config.method not in ("ngram", "suffix"):
             raise ValueError(f"speculative_config.method {config.method!r} has no proposer on the worker")
         self.num_speculative_tokens = config.num_speculative_tokens
         self.disable_by_batch_size = config.disable_by_batch_size
-        self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min or 1,
-                                      config.prompt_lookup_max or 1, max_model_len)
+        self.proposer: NgramProposer | SuffixProposer
+        if config.method == "suffix":
+            self.proposer = SuffixProposer(config, max_model_len)
+        else:
+            self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min or 1,
+                                          config.prompt_lookup_max or 1, max_model_len)
 
     def step_drafts(self, state: CachedRequestState, scheduled: list[int] | None) -> list[int]:
         """The drafts a step verifies after the request's last known token: the ids the synchronous
@@ -137,13 +142,21 @@ class SpecDecoder:
             if state.sampling_params.structured_outputs is not None:
                 continue
             if k and track.may_propose():
-                proposed = self.proposer.propose(np.asarray(state.token_ids, dtype=np.int64))
-                track.drafts = proposed[:track.num_drafts(k)].tolist()
+                if isinstance(self.proposer, SuffixProposer):
+                    proposed = self.proposer.propose(state.req_id, state.token_ids, track.resets)
+                else:
+                    proposed = self.proposer.propose(np.asarray(state.token_ids, dtype=np.int64)).tolist()
+                track.drafts = proposed[:track.num_drafts(k)]
                 if not track.drafts:
                     track.note_no_proposal()
             out.draft_token_ids[state.req_id] = list(track.drafts)
             out.draft_slots[state.req_id] = len(track.drafts)
         return out
+
+    def finish(self, state: CachedRequestState) -> None:
+        """The request finished (the suffix proposer keeps its output for the requests that follow)."""
+        if isinstance(self.proposer, SuffixProposer):
+            self.proposer.finish(state.req_id, state.output_token_ids)
 
     @staticmethod
     def to_output(req_ids: list[str], sample_rows: list[int], step: VerifiedStep,
