@@ -107,9 +107,9 @@ def test_drafts_save_steps(tied, plain):
     assert steps["ngram"][0] < steps["plain"][0]
 
 
-def test_grammar_requests_draft_nothing_beside_drafting_ones(tied):
-    """A grammar request verifies no drafts (its drafts would need the grammar's check first) and gets
-    its plain output; the request beside it drafts as usual."""
+def test_grammar_requests_draft_beside_others(tied):
+    """A grammar request drafts too (each draft position masked as plain decoding masks it) and gets
+    its plain output beside a request without a grammar."""
     from stepahead.sampling_params import StructuredOutputsParams
 
     choices = ["alpha beta gamma", "delta epsilon"]

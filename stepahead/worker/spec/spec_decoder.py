@@ -96,9 +96,10 @@ class SpecDecoder:
                                f"positions, the worker has {state.num_computed_tokens}")
         return state.num_computed_tokens
 
-    def sample_and_verify(self, logits: torch.Tensor, rows: list[RowSampling],
-                          drafts: list[list[int]]) -> VerifiedStep:
-        """logits: one row per position, request after request (1 + len(drafts[r]) each)."""
+    def sample_and_verify(self, logits: torch.Tensor, rows: list[RowSampling], drafts: list[list[int]],
+                          max_accepted: dict[int, int] | None = None) -> VerifiedStep:
+        """logits: one row per position, request after request (1 + len(drafts[r]) each); max_accepted:
+        per row, the most drafts its grammar's masks allow to accept."""
         if not rows:
             return VerifiedStep([])
         expanded = expand_rows(rows, drafts)
@@ -113,7 +114,7 @@ class SpecDecoder:
         except Exception as e:  # a row's failure fails its request, not the step
             apart = sample_rows_apart(logits, expanded, e)
             targets, row_logprobs, failed_positions = apart.token_ids, apart.logprobs, apart.failed
-        step = VerifiedStep(accept_drafts(drafts, targets))
+        step = VerifiedStep(accept_drafts(drafts, targets, max_accepted))
         first = 0
         for i, (row_drafts, tokens) in enumerate(zip(drafts, step.tokens, strict=True)):
             positions = range(first, first + len(row_drafts) + 1)
@@ -128,7 +129,7 @@ class SpecDecoder:
     def propose(self, states: list[CachedRequestState], drafts: list[list[int]],
                 step: VerifiedStep) -> Proposals:
         """Append each request's verified tokens, give back its rejected positions, and propose its
-        next drafts (none for a grammar request: its drafts would need the grammar's check first)."""
+        next drafts (a grammar request's too: the scheduler's bitmask masks every draft position)."""
         out = Proposals({}, {})
         # A batch this large drafts nothing (speculative_config.disable_by_batch_size).
         k = self.num_speculative_tokens if self.disable_by_batch_size is None or \
@@ -139,8 +140,6 @@ class SpecDecoder:
             track = state.draft
             track.note_verified(len(tokens) - 1)
             track.drafts = []
-            if state.sampling_params.structured_outputs is not None:
-                continue
             if k and track.may_propose():
                 if isinstance(self.proposer, SuffixProposer):
                     proposed = self.proposer.propose(state.req_id, state.token_ids, track.resets)
