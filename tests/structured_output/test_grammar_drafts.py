@@ -29,6 +29,7 @@ MAX_MODEL_LEN = 256
 MODES = {
     "async": dict(speculative_config=SUFFIX),
     "sync": dict(speculative_config=SUFFIX, async_scheduling=False),
+    "depth3": dict(speculative_config=SUFFIX, max_concurrent_batches=3),
     "preempt": dict(speculative_config=SUFFIX, num_kv_blocks=17),
     "chunked_sync": dict(speculative_config=NGRAM, max_num_batched_tokens=32, async_scheduling=False),
 }
