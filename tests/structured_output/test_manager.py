@@ -103,3 +103,17 @@ def test_a_draft_that_ends_the_grammar_is_left_to_the_sample(manager, model_conf
     yes = tokenizer.encode("yes", add_special_tokens=False)
     assert manager.grammatical_prefix(request, yes) == len(yes)
     assert manager.grammatical_prefix(request, yes + [model_config.eos_token_id]) == len(yes)
+
+
+def test_drafts_of_a_request_behind_a_reasoning_gate_are_not_followed(manager, tokenizer):
+    """While the grammar waits for the reasoning to end, the gate decides a row: such a request's
+    drafts get no rows (none is accepted) and its one row is the one it gets without drafts."""
+    end = tokenizer.encode("</think>", add_special_tokens=False)
+    request = _request("r", Constraint(regex="[a-z]+", reasoning_end_token_ids=end))
+    manager.submit(request)
+    request.structured_output.compiled.result(timeout=60)
+    drafts = tokenizer.encode("hmm", add_special_tokens=False)
+    assert manager.grammatical_prefix(request, drafts) == 0
+    bitmask, followed, failed = manager.draft_bitmask([request], [drafts])
+    (row,), _ = manager.grammar_bitmask([request])
+    assert not failed and followed == [[]] and bitmask.shape[0] == 1 and (bitmask[0] == row).all()
