@@ -96,7 +96,7 @@ class SchedulerConfig:
 # Proposer methods with vLLM's names; those the worker cannot run yet are refused rather than
 # accepted and ignored.
 SPECULATIVE_METHODS = ("ngram", "draft_model", "suffix")
-SUPPORTED_SPECULATIVE_METHODS: tuple[str, ...] = ("ngram", "draft_model")
+SUPPORTED_SPECULATIVE_METHODS: tuple[str, ...] = ("ngram", "draft_model", "suffix")
 # vLLM's n-gram lengths when neither is given; when one is, the other takes its value.
 DEFAULT_PROMPT_LOOKUP = 5
 
@@ -115,6 +115,13 @@ class SpeculativeConfig:
     # draft_model: the draft checkpoint (a folder, a .gguf file or a hub id, as the target's model), loaded
     # by the target's loader with the target's dtype; it must share the target's vocabulary.
     model: str | None = None
+    # suffix (vLLM's names and defaults): the tries' depth (bounds match plus draft), how many finished
+    # requests' outputs the shared trie keeps (0: none), the draft length per matched token, and the
+    # lowest estimated probability a drafted token may have.
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
 
     def __post_init__(self) -> None:
         check_field(self.method in SPECULATIVE_METHODS, "speculative_config.method", self.method,
@@ -140,6 +147,25 @@ class SpeculativeConfig:
         check_field(isinstance(self.prompt_lookup_max, int) and self.prompt_lookup_max >= (self.prompt_lookup_min or 1),
                     "speculative_config.prompt_lookup_max", self.prompt_lookup_max,
                     f"must be an int >= prompt_lookup_min ({self.prompt_lookup_min})")
+
+        self._check_suffix_fields()
+
+    def _check_suffix_fields(self) -> None:
+        check_field(isinstance(self.suffix_decoding_max_tree_depth, int) and self.suffix_decoding_max_tree_depth >= 2,
+                    "speculative_config.suffix_decoding_max_tree_depth", self.suffix_decoding_max_tree_depth,
+                    "must be an int >= 2 (a matched token and a drafted one)")
+        check_field(isinstance(self.suffix_decoding_max_cached_requests, int)
+                    and self.suffix_decoding_max_cached_requests >= 0,
+                    "speculative_config.suffix_decoding_max_cached_requests",
+                    self.suffix_decoding_max_cached_requests, "must be an int >= 0")
+        check_field(isinstance(self.suffix_decoding_max_spec_factor, (int, float))
+                    and self.suffix_decoding_max_spec_factor > 0,
+                    "speculative_config.suffix_decoding_max_spec_factor", self.suffix_decoding_max_spec_factor,
+                    "must be a number > 0")
+        check_field(isinstance(self.suffix_decoding_min_token_prob, (int, float))
+                    and 0 <= self.suffix_decoding_min_token_prob <= 1,
+                    "speculative_config.suffix_decoding_min_token_prob", self.suffix_decoding_min_token_prob,
+                    "must be a number in [0, 1]")
 
     @classmethod
     def from_user(cls, given: str | dict) -> SpeculativeConfig:

@@ -113,6 +113,9 @@ class Request:
         # How many draft positions the worker asks the async scheduler to reserve per step (fewer than
         # k while the request's drafts keep missing); None: k.
         self.num_draft_slots: int | None = None
+        # A grammar request under async scheduling: the worker's latest proposals, which fill its next
+        # step's draft slots (the bitmask masks each of their positions).
+        self.worker_draft_token_ids: list[int] = []
         self.num_preemptions = 0
         self.num_cached_tokens = -1
         self.first_scheduled_time: float | None = None  # time.monotonic() of its first admission (metrics)

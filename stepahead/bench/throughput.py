@@ -7,6 +7,8 @@ request-steps, preemptions).
 
 --compare sync     runs the step-ahead (async) and the synchronous scheduler alternately, each in
                    its own engine kept alive across rounds, and prints the per-round and median ratio.
+--compare spec     runs --speculative-config against --baseline-speculative-config (another proposer
+                   or setting) alternately, each in its own engine kept alive across rounds.
 --compare transformers  runs transformers `generate` (padded static batches) and `generate_batch`
                    (continuous batching) on the same prompts and checkpoint.
 """
@@ -215,6 +217,14 @@ def run_compare_nospec(ns, engine_args: EngineArgs, tracing: bool) -> dict:
                             "nospec": lambda: make_llm(engine_args, None, tracing, speculative=False)})
 
 
+def run_compare_spec(ns, engine_args: EngineArgs, tracing: bool) -> dict:
+    if engine_args.speculative_config is None or ns.baseline_speculative_config is None:
+        raise ValueError("--compare spec needs --speculative-config and --baseline-speculative-config")
+    baseline = dataclasses.replace(engine_args, speculative_config=ns.baseline_speculative_config)
+    return run_compare(ns, {"spec": lambda: make_llm(engine_args, None, tracing),
+                            "baseline": lambda: make_llm(baseline, None, tracing)})
+
+
 def run_compare(ns, makers: dict[str, Any]) -> dict:
     """Two engines (the first measured against the second) in alternating rounds on the same requests."""
     first, second = makers
@@ -351,9 +361,12 @@ def add_output_args(parser: argparse.ArgumentParser) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_args(parser, num_prompts=64, input_len="32:256", output_len="32:256")
     g = parser.add_argument_group("comparison")
-    g.add_argument("--compare", choices=["sync", "nospec", "transformers"], default=None,
+    g.add_argument("--compare", choices=["sync", "nospec", "spec", "transformers"], default=None,
                    help="sync: async vs sync scheduler, alternating; nospec: --speculative-config vs without it, "
-                        "alternating; transformers: generate and generate_batch")
+                        "alternating; spec: --speculative-config vs --baseline-speculative-config, alternating; "
+                        "transformers: generate and generate_batch")
+    g.add_argument("--baseline-speculative-config", default=None, metavar="JSON",
+                   help="--compare spec: the speculative config measured against")
     g.add_argument("--rounds", type=int, default=3, help="rounds of --compare sync (default: %(default)s)")
     g.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
                    help="--compare sync: start no round that would end past this many seconds of rounds")
@@ -401,7 +414,7 @@ def emit_outputs(ns, kind: str, engine_args: EngineArgs, result: dict) -> None:
 
 def _workload_dict(ns) -> dict:
     keys = ("num_prompts", "dataset", "dataset_path", "input_len", "output_len", "temperature", "ignore_eos", "seed", "compare",
-            "rounds")
+            "rounds", "baseline_speculative_config")
     return {key: getattr(ns, key) for key in keys if hasattr(ns, key)}
 
 
@@ -418,6 +431,8 @@ def main(ns: argparse.Namespace) -> int:
         result = run_compare_sync(ns, engine_args, tracing)
     elif ns.compare == "nospec":
         result = run_compare_nospec(ns, engine_args, tracing)
+    elif ns.compare == "spec":
+        result = run_compare_spec(ns, engine_args, tracing)
     elif ns.compare == "transformers":
         result = run_compare_transformers(ns, engine_args, tracing)
     else:

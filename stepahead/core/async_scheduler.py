@@ -44,7 +44,7 @@ class AsyncScheduler(Scheduler):
             # One placeholder for the sampled token, one per draft it verifies (docs/design.md,
             # "Draft tokens as placeholders").
             req.num_output_placeholders += self.num_sampled_tokens_per_step + len(spec_tokens.get(rid, ()))
-            if num_spec and not req.use_structured_output:
+            if num_spec:
                 # The worker proposes up to k drafts after this step's sample and keeps them; the next
                 # step reserves their positions without knowing their ids (as many as the worker
                 # last asked for: none while its drafts for the request keep missing).
@@ -57,6 +57,19 @@ class AsyncScheduler(Scheduler):
         # The drafts stay on the worker; spec_token_ids holds their placeholders, as many as it asks for.
         if draft_slots is not None:
             req.num_draft_slots = draft_slots
+        if req.use_structured_output:  # its next step's bitmask follows them
+            req.worker_draft_token_ids = list(draft_token_ids or ())
+
+    @staticmethod
+    def _step_drafts(req: Request, scheduled: list[int] | None) -> list[int]:
+        """A grammar request's -1 slots hold the worker's drafts, reported in the output processed just
+        before this bitmask (the step's sampling waits for it), padded as the worker pads them: with the
+        last token (worker/spec/spec_decoder.py, step_drafts). Should they differ from what the worker
+        laid out, the worker accepts no draft past the difference."""
+        if not scheduled:
+            return []
+        own = req.worker_draft_token_ids[:len(scheduled)]
+        return own + [req.all_token_ids[-1]] * (len(scheduled) - len(own))
 
     def _update_request_with_output(
         self, request: Request, new_token_ids: list[int], is_stale: bool = False

@@ -124,6 +124,10 @@ class ModelRunnerOutput:
 class GrammarOutput:
     structured_output_request_ids: list[str]
     grammar_bitmask: Any  # numpy int32 array [num_rows, ceil(vocab/32)], or None
+    # With drafts: per request (in the order above), the drafts its rows follow; it then has 1 + that
+    # many rows (its next token's, then one after each draft), packed request after request. None: one
+    # row per request.
+    draft_token_ids: list[list[int]] | None = None
 
 
 @dataclass

@@ -37,6 +37,10 @@ class StructuredOutputBackend(Protocol):
 
     def grammar_bitmask(self, requests: list[Request]) -> Any: ...
 
+    def draft_bitmask(self, requests: list[Request], drafts: list[list[int]]) -> Any: ...
+
+    def grammatical_prefix(self, request: Request, draft_token_ids: list[int]) -> int: ...
+
     def accept_tokens(self, request: Request, token_ids: list[int]) -> bool: ...
 
     def is_terminated(self, request: Request) -> bool: ...
@@ -435,9 +439,23 @@ class Scheduler:
                                 draft_slots: int | None = None) -> None:
         """Keep the worker's proposals for the request's next step (synchronous scheduling; the async
         scheduler overrides this: its worker keeps the drafts and says how many slots to reserve).
-        Grammar requests draft nothing: their drafts would need the grammar's check first."""
-        if draft_token_ids and not req.use_structured_output:
-            req.spec_token_ids = list(draft_token_ids[:self.num_spec_tokens])
+        A grammar request keeps the drafts its grammar accepts after the output so far."""
+        if not draft_token_ids:
+            return
+        drafts = list(draft_token_ids[:self.num_spec_tokens])
+        if req.use_structured_output:
+            drafts = drafts[:self._grammatical_prefix(req, drafts)]
+        req.spec_token_ids = drafts
+
+    def _grammatical_prefix(self, req: Request, drafts: list[int]) -> int:
+        grammar_manager = self.structured_output_manager
+        if grammar_manager is None:
+            return len(drafts)
+        try:
+            return grammar_manager.grammatical_prefix(req, drafts)
+        except Exception as e:  # the matcher's failure shows when the bitmask is built; draft nothing
+            logger.warning("request %s: drafts not checked by its grammar: %r", req.request_id, e)
+            return 0
 
     @staticmethod
     def _grammar_accept(grammar_manager: StructuredOutputBackend, req: Request, new_ids: list[int]) -> str | None:
@@ -550,10 +568,22 @@ class Scheduler:
                 if (r := self.requests.get(rid)) is not None and r.use_structured_output and not r.is_prefill_chunk]
         if not reqs:
             return None
-        bitmask, failed = self.structured_output_manager.grammar_bitmask(reqs)
+        drafts = [self._step_drafts(r, scheduler_output.scheduled_spec_decode_tokens.get(r.request_id))
+                  for r in reqs]
+        followed = None
+        if any(drafts):
+            bitmask, followed, failed = self.structured_output_manager.draft_bitmask(reqs, drafts)
+        else:
+            bitmask, failed = self.structured_output_manager.grammar_bitmask(reqs)
         for rid, reason in failed.items():
             self.fail_request(rid, reason)
-        return GrammarOutput([r.request_id for r in reqs], bitmask)
+        return GrammarOutput([r.request_id for r in reqs], bitmask, followed)
+
+    @staticmethod
+    def _step_drafts(req: Request, scheduled: list[int] | None) -> list[int]:
+        """The drafts a step verifies for a grammar request: their ids as scheduled (the async scheduler
+        overrides this for its -1 slots)."""
+        return list(scheduled or ())
 
     def fail_request(self, request_id: str, reason: str) -> None:
         """Finish one request with "error" and its reason (handed out by take_error_outputs); a step

@@ -107,7 +107,8 @@ class EngineArgs:
            "scheduling)")
     speculative_config: str | dict | None = _arg(
         None, "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
-              "(method ngram; prompt_lookup_min/max as vLLM's)")
+              "(method ngram, prompt_lookup_min/max; or suffix, suffix_decoding_max_tree_depth, "
+              "suffix_decoding_max_cached_requests, suffix_decoding_max_spec_factor, suffix_decoding_min_token_prob; as vLLM's)")
     distributed_executor_backend: str | None = _arg(
         None, "how worker ranks run: 'mp' (processes on this machine), 'ray' (a Ray cluster's nodes; pip install "
               "'stepahead[ray]'), 'uni' (one worker thread); overrides --executor (default: --executor, mp)")

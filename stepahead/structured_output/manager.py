@@ -4,10 +4,10 @@ A request's grammar compiles on a background thread while the request waits in W
 other requests keep running. Equal specs share one compile (an LRU of futures). A matcher advances
 only with tokens that became the request's output (update_from_output hands it exactly those), so
 its state always equals the output so far: a preempted request resumes with its matcher as it was,
-stale output is accepted when delivered and dropped output never reaches it. Nothing is ever
-accepted ahead of the output, so nothing needs rolling back. A request with a reasoning gate
-(reasoning_gate.py) hands its matcher only the tokens after its reasoning, and its rows allow every
-token until then.
+stale output is accepted when delivered and dropped output never reaches it. Only a step's drafts
+are accepted ahead of the output, to check them and mask each draft position, and are rolled back at
+once. A request with a reasoning gate (reasoning_gate.py) hands its matcher only the tokens after its
+reasoning, and its rows allow every token until then (such a request's drafts are not followed).
 
 A failure is the request's own: a compile that fails or outlasts MAX_COMPILE_S, or a matcher that
 raises, fails that request with the reason, and the others go on.
@@ -180,6 +180,64 @@ class StructuredOutputManager:
         for i, token in markers.items():
             bits[i, token >> 5] |= np.uint32(1 << (token & 31))
         return rows, failed
+
+    def grammatical_prefix(self, request: Request, draft_token_ids: list[int]) -> int:
+        """How many of the drafts, in order, the grammar accepts after the output so far (the matcher is
+        left as it was). A draft that would complete the grammar ends the prefix: an end token is only
+        ever the step's own sample, as in plain decoding."""
+        if request.structured_output.reasoning is not None:
+            return 0  # the gate, not the matcher, decides what its next tokens may be
+        matcher = self._matcher(request.structured_output)
+        kept = 0
+        for token in draft_token_ids:
+            if not matcher.accept_token(token):
+                break
+            if matcher.is_terminated():
+                matcher.rollback(1)
+                break
+            kept += 1
+        if kept:
+            matcher.rollback(kept)
+        return kept
+
+    def draft_bitmask(self, requests: list[Request],
+                      drafts: list[list[int]]) -> tuple[np.ndarray, list[list[int]], dict[str, str]]:
+        """The bitmask of a step that verifies drafts: per request, the row of its next token, then one
+        row after each draft in its grammatical prefix (the matcher advanced through them, then rolled
+        back), so every position is masked as plain constrained decoding would mask it there. Returns the
+        rows (packed, request after request), each request's drafts that its rows follow, and the
+        requests whose matcher failed (as grammar_bitmask)."""
+        import torch
+
+        bitmask = torch.full((sum(1 + len(d) for d in drafts), self.num_words), -1, dtype=torch.int32)
+        followed: list[list[int]] = []
+        failed: dict[str, str] = {}
+        row = 0
+        for request, request_drafts in zip(requests, drafts, strict=True):
+            kept: list[int] = []
+            if request.structured_output.reasoning is not None:  # its one row, as without drafts
+                (gated,), gate_failed = self.grammar_bitmask([request])
+                bitmask[row] = torch.from_numpy(gated)
+                failed.update(gate_failed)
+                followed.append(kept)
+                row += 1
+                continue
+            try:
+                matcher = self._matcher(request.structured_output)
+                if not matcher.is_terminated():  # a terminated one has finished: its row allows everything
+                    kept = request_drafts[:self.grammatical_prefix(request, request_drafts)]
+                    matcher.fill_next_token_bitmask(bitmask, row)
+                    for j, token in enumerate(kept):
+                        matcher.accept_token(token)
+                        matcher.fill_next_token_bitmask(bitmask, row + 1 + j)
+                    if kept:
+                        matcher.rollback(len(kept))
+            except Exception as e:  # one request's grammar fails that request alone
+                bitmask[row:row + 1 + len(kept)] = -1
+                failed[request.request_id] = f"the grammar matcher failed: {e!r}"
+            followed.append(kept)
+            row += 1 + len(kept)
+        return bitmask[:row].numpy(), followed, failed
 
     def _fill(self, bitmask: Any, matchers: list[Any], live: list[int]) -> None:
         if len(live) == 1:

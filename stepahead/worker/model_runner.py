@@ -212,7 +212,9 @@ class ModelRunner:
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         for req_id in scheduler_output.finished_req_ids:
-            self.requests.pop(req_id, None)
+            finished = self.requests.pop(req_id, None)
+            if finished is not None and self.spec is not None:
+                self.spec.finish(finished)
             self.prev_req_id_to_row.pop(req_id, None)
         for new in scheduler_output.scheduled_new_reqs:
             self.requests[new.req_id] = CachedRequestState(
@@ -470,17 +472,36 @@ class ModelRunner:
         outputs = state.output_token_ids if params.reads_output_history else []
         return RowSampling(params, state.prompt_token_ids, outputs, stop_ids, num_outputs)
 
-    def _apply_grammar_bitmask(self, logits: torch.Tensor, step: _StepState, grammar_output: GrammarOutput) -> None:
-        """Mask the logits of the rows whose request has a grammar (the bitmask has one row per such request;
-        such a request verifies no drafts, so its one logits row is its sampling row's first)."""
-        first = range(len(step.sample_rows)) if step.sample_drafts is None else \
-            np.cumsum([0] + [1 + len(d) for d in step.sample_drafts[:-1]]).tolist()
-        sample_row_of = {step.req_ids[b]: first[i] for i, b in enumerate(step.sample_rows)}
-        pairs = [(sample_row_of[req_id], k) for k, req_id in enumerate(grammar_output.structured_output_request_ids)
-                 if req_id in sample_row_of]
-        if pairs:
-            bitmask = np.asarray(grammar_output.grammar_bitmask)[[k for _, k in pairs]]
-            apply_bitmask(logits, [i for i, _ in pairs], bitmask)
+    def _apply_grammar_bitmask(self, logits: torch.Tensor, step: _StepState,
+                               grammar_output: GrammarOutput) -> dict[int, int]:
+        """Mask the logits of the positions whose request has a grammar: one bitmask row per request, or
+        with drafts one per position its rows follow (grammar_output.draft_token_ids). Returns, per
+        sampling row with drafts, how many of its drafts may be accepted: those the scheduler's rows
+        followed and this step verifies alike (a position past them has no exact mask)."""
+        drafts = step.sample_drafts
+        first = range(len(step.sample_rows)) if drafts is None else \
+            np.cumsum([0] + [1 + len(d) for d in drafts[:-1]]).tolist()
+        sample_index = {step.req_ids[b]: i for i, b in enumerate(step.sample_rows)}
+        followed = grammar_output.draft_token_ids
+        positions: list[int] = []
+        rows: list[int] = []
+        max_accepted: dict[int, int] = {}
+        row = 0
+        for k, req_id in enumerate(grammar_output.structured_output_request_ids):
+            row_drafts = followed[k] if followed is not None else []
+            i = sample_index.get(req_id)
+            if i is not None:
+                common = 0
+                if drafts is not None:
+                    while common < min(len(row_drafts), len(drafts[i])) and row_drafts[common] == drafts[i][common]:
+                        common += 1
+                    max_accepted[i] = common
+                positions += range(first[i], first[i] + common + 1)
+                rows += range(row, row + common + 1)
+            row += 1 + len(row_drafts)
+        if positions:
+            apply_bitmask(logits, positions, np.asarray(grammar_output.grammar_bitmask)[rows])
+        return max_accepted
 
     @torch.inference_mode()
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput | AsyncModelRunnerOutput:
@@ -501,15 +522,16 @@ class ModelRunner:
         if any(state.sampling_params.reads_output_history for state in states):
             self._resolve_outputs()  # penalties and bad words read every earlier output id
         rows = [self._row_sampling(state) for state in states]
+        max_accepted = None
         if grammar_output is not None and grammar_output.grammar_bitmask is not None:
             t_mask = time.monotonic()
-            self._apply_grammar_bitmask(logits, step, grammar_output)
+            max_accepted = self._apply_grammar_bitmask(logits, step, grammar_output)
             if self.config.trace:
                 step.events.append(TraceEvent("apply_bitmask", "worker", t_mask, time.monotonic(),
                                               {"step": step.step_id,
                                                "reqs": len(grammar_output.structured_output_request_ids)}))
         if step.sample_drafts is not None:
-            return self._verify_and_propose(step, logits, states, rows, t0)
+            return self._verify_and_propose(step, logits, states, rows, t0, max_accepted)
         apart = None
         try:
             metadata = SamplingMetadata.from_rows(rows, logits.shape[1], logits.device) if rows else None
@@ -549,12 +571,14 @@ class ModelRunner:
         return handle
 
     def _verify_and_propose(self, step: _StepState, logits: torch.Tensor, states: list[CachedRequestState],
-                            rows: list[RowSampling], t0: float) -> ModelRunnerOutput:
+                            rows: list[RowSampling], t0: float,
+                            max_accepted: dict[int, int] | None) -> ModelRunnerOutput:
         """Speculative decoding's sampling (worker/spec/spec_decoder.py): every position sampled, the
-        drafts verified, the next drafts proposed; the verified tokens are on the host afterwards."""
+        drafts verified (a grammar's as far as its masks reach), the next drafts proposed; the verified
+        tokens are on the host afterwards."""
         assert self.spec is not None and step.sample_drafts is not None
         verified = self.spec.sample_and_verify(logits, rows, step.sample_drafts,
-                                               [state.draft.verifying_probs for state in states])
+                                               [state.draft.verifying_probs for state in states], max_accepted)
         proposals = self.spec.propose(states, step.sample_drafts, verified)
         self.prev_req_id_to_row = {}  # nothing to substitute on the device: the host holds every token
         out = self._account(self.spec.to_output(step.req_ids, step.sample_rows, verified, proposals), step, t0,

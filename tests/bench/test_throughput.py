@@ -144,3 +144,26 @@ def test_compare_nospec_needs_a_speculative_config(tiny_llama, capsys):
     rc = main(["bench", "throughput", "--model", str(tiny_llama), *ENGINE, *WORKLOAD, "--compare", "nospec"])
     assert rc != 0
     assert "--compare nospec needs --speculative-config" in capsys.readouterr().err
+
+
+def test_compare_spec_measures_one_proposer_against_another(tiny_model_factory, tmp_path, capsys):
+    """Suffix against n-gram drafts, alternating: both engines' drafts are counted, the tokens the same."""
+    tied = tiny_model_factory("llama", tie_word_embeddings=True)
+    out = tmp_path / "spec.json"
+    rc = main(["bench", "throughput", "--model", str(tied), "--max-model-len", "512", "--max-num-seqs", "2",
+               "--dataset", "copy", "--num-prompts", "3", "--output-len", "16:16", "--temperature", "0",
+               "--speculative-config", '{"method": "suffix", "num_speculative_tokens": 3}', "--compare", "spec",
+               "--baseline-speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
+               "--rounds", "1", "--json", str(out)])
+    assert rc == 0
+    assert "spec / baseline =" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    runs = {r["label"]: r for r in data["runs"]}
+    assert runs["spec"]["output_tokens"] == runs["baseline"]["output_tokens"] == 3 * 16
+    assert runs["spec"]["mean_accepted_length"] > 1 and runs["baseline"]["mean_accepted_length"] > 1
+
+
+def test_compare_spec_needs_a_baseline(tiny_llama, capsys):
+    rc = main(["bench", "throughput", "--model", str(tiny_llama), *ENGINE, *WORKLOAD, "--compare", "spec",
+               "--speculative-config", '{"method": "suffix", "num_speculative_tokens": 3}'])
+    assert rc != 0 and "baseline-speculative-config" in capsys.readouterr().err

@@ -237,14 +237,25 @@ def test_sync_drafts_capped_by_max_tokens_and_ignored_after_stop():
     assert o.finish_reason == "length" and req.output_token_ids == [10, 11, 12]
 
 
-def test_structured_output_requests_draft_nothing():
-    for cls in (Scheduler, AsyncScheduler):
-        steps = Steps(_sched(cls))
-        req = _add(steps.s, structured_outputs=StructuredOutputsParams(choice=["a", "b"]))
-        steps.schedule()
-        steps.update({"r": [10]}, drafts={"r": [11, 12]})
-        assert req.spec_token_ids == []
-        assert not steps.schedule().scheduled_spec_decode_tokens
+def test_structured_output_requests_draft():
+    """A grammar request drafts like any other (the grammar's check and per-position masks are the
+    structured-output manager's: tests/structured_output/); the async scheduler keeps the worker's
+    proposals, which fill the request's next slots, for the bitmask."""
+    steps = Steps(_sched(Scheduler))
+    req = _add(steps.s, structured_outputs=StructuredOutputsParams(choice=["a", "b"]))
+    steps.schedule()
+    steps.update({"r": [10]}, drafts={"r": [11, 12]})
+    assert req.spec_token_ids == [11, 12]
+    assert steps.schedule().scheduled_spec_decode_tokens == {"r": [11, 12]}
+    steps = Steps(_sched(AsyncScheduler))
+    req = _add(steps.s, structured_outputs=StructuredOutputsParams(choice=["a", "b"]))
+    steps.schedule()
+    assert req.spec_token_ids == [-1, -1]
+    steps.update({"r": [10]}, drafts={"r": [11]})
+    assert req.worker_draft_token_ids == [11]
+    s2 = steps.schedule()
+    assert s2.scheduled_spec_decode_tokens == {"r": [-1, -1]}
+    assert steps.s._step_drafts(req, [-1, -1]) == [11, 10]  # padded with the last token, as the worker pads
 
 
 def test_async_reserves_the_slots_the_worker_asks_for():

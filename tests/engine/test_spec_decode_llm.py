@@ -1,4 +1,4 @@
-"""Speculative decoding with the n-gram proposer, end to end: the same tokens as plain decoding.
+"""Speculative decoding with the n-gram and suffix proposers, end to end: the same tokens as plain decoding.
 
 Greedy rows take the argmax at every position, seeded rows draw each position's uniform from (seed,
 output index) and penalties and min_tokens see the drafts before a position as outputs, so with drafts
@@ -107,9 +107,9 @@ def test_drafts_save_steps(tied, plain):
     assert steps["ngram"][0] < steps["plain"][0]
 
 
-def test_grammar_requests_draft_nothing_beside_drafting_ones(tied):
-    """A grammar request verifies no drafts (its drafts would need the grammar's check first) and gets
-    its plain output; the request beside it drafts as usual."""
+def test_grammar_requests_draft_beside_others(tied):
+    """A grammar request drafts too (each draft position masked as plain decoding masks it) and gets
+    its plain output beside a request without a grammar."""
     from stepahead.sampling_params import StructuredOutputsParams
 
     choices = ["alpha beta gamma", "delta epsilon"]
@@ -139,3 +139,51 @@ def test_triton_backend_verifies_as_decode_rows(tied):
             accepted[name] = llm.stats().spec_num_accepted_tokens
     assert tokens["ngram"] == tokens["plain"]
     assert accepted["ngram"] > 0
+
+
+# -- the suffix proposer: the same tokens, and a repeated answer drafted from the shared cache --
+
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 4}
+SUFFIX_CONFIGS = {name: CONFIGS[name] for name in ("async", "sync", "preempt", "preempt_sync", "chunked", "chunked_sync")}
+
+
+@pytest.mark.parametrize("name", list(SUFFIX_CONFIGS))
+def test_suffix_gives_the_plain_tokens(tied, plain, name):
+    results, stats, config = _run(tied, speculative_config=SUFFIX, **SUFFIX_CONFIGS[name])
+    assert config.speculative_config is not None and config.speculative_config.method == "suffix"
+    for outputs, base in zip(results, plain[0], strict=True):  # greedy, seeded, penalized with logprobs
+        assert [tokens for tokens, _ in outputs] == [tokens for tokens, _ in base]
+        for (_, logprobs), (_, base_logprobs) in zip(outputs, base, strict=True):
+            if base_logprobs is not None:
+                assert logprobs == [pytest.approx(lp, abs=1e-4) for lp in base_logprobs]
+    assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+    if name.startswith("preempt"):
+        assert stats.preemptions > 0
+
+
+def _repeat_drafting(model, max_cached_requests: int) -> tuple[list[int], list[int], int, int]:
+    """The same prompt sent twice, one request after the other, as an agent loop repeats itself:
+    (first output, second output, the second's drafted and accepted tokens)."""
+    prompt = [{"prompt_token_ids": _prompts()[2]}]
+    params = SamplingParams(max_tokens=32, temperature=0.0)
+    spec = SUFFIX | {"suffix_decoding_max_cached_requests": max_cached_requests}
+    with LLM(str(model), executor="uni", max_model_len=MAX_MODEL_LEN, speculative_config=spec) as llm:
+        (first,) = llm.generate(prompt, params, use_tqdm=False)
+        before = llm.stats()
+        (second,) = llm.generate(prompt, params, use_tqdm=False)
+        after = llm.stats()
+    return (first.outputs[0].token_ids, second.outputs[0].token_ids,
+            after.spec_num_draft_tokens - before.spec_num_draft_tokens,
+            after.spec_num_accepted_tokens - before.spec_num_accepted_tokens)
+
+
+def test_a_repeated_output_drafts_from_the_shared_cache(tiny_llama):
+    """A model whose output seldom repeats itself: the second request drafts its output from the first's
+    in the shared cache, with high acceptance; without the cache it drafts little."""
+    first, second, drafted, accepted = _repeat_drafting(tiny_llama, 16)
+    assert second == first
+    _, _, drafted_alone, accepted_alone = _repeat_drafting(tiny_llama, 0)
+    # Drafts grow with the match (max_spec_factor 1: one draft after one matched token), so the first
+    # few steps deliver fewer tokens.
+    assert accepted >= 0.7 * (len(second) - 1) and accepted >= 0.8 * drafted
+    assert accepted_alone < accepted / 2

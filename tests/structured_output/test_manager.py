@@ -69,3 +69,51 @@ def test_compile_error_is_reported(manager):
     manager.submit(bad)
     bad.structured_output.compiled.exception(timeout=60)
     assert manager.is_ready(bad) and "undefined_rule" in manager.compile_error(bad)
+
+
+def test_draft_rows_mask_each_position_as_plain_decoding_would(manager, tokenizer):
+    """A step's drafts: row j is the bitmask after the output and the first j drafts, exactly the row
+    plain decoding gets once those tokens are output; an ungrammatical draft ends the rows followed,
+    and the matcher is left as it was."""
+    constraint = Constraint(json={"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]})
+    request = _request("g", constraint)
+    manager.submit(request)
+    request.structured_output.compiled.result(timeout=60)
+    text = tokenizer.encode('{"name": "Ada"}', add_special_tokens=False)
+    assert manager.accept_tokens(request, text[:2])
+    drafts = text[2:] + tokenizer.encode("x", add_special_tokens=False)[:1]  # nothing may follow the object
+    bitmask, followed, failed = manager.draft_bitmask([request], [drafts])
+    assert not failed and followed == [text[2:]] and bitmask.shape[0] == len(text) - 1
+    assert manager.grammatical_prefix(request, drafts) == len(text) - 2
+    for j in range(len(text) - 1):  # a fresh request output up to that position
+        plain = _request(f"p{j}", constraint)
+        manager.submit(plain)
+        assert manager.accept_tokens(plain, text[:2 + j])
+        (row,), _ = manager.grammar_bitmask([plain])
+        assert (bitmask[j] == row).all()
+    (row,), _ = manager.grammar_bitmask([request])
+    assert (row == bitmask[0]).all()  # rolled back
+    assert manager.accept_tokens(request, text[2:])
+
+
+def test_a_draft_that_ends_the_grammar_is_left_to_the_sample(manager, model_config, tokenizer):
+    request = _request("c", Constraint(choice=["yes", "no"]))
+    manager.submit(request)
+    request.structured_output.compiled.result(timeout=60)
+    yes = tokenizer.encode("yes", add_special_tokens=False)
+    assert manager.grammatical_prefix(request, yes) == len(yes)
+    assert manager.grammatical_prefix(request, yes + [model_config.eos_token_id]) == len(yes)
+
+
+def test_drafts_of_a_request_behind_a_reasoning_gate_are_not_followed(manager, tokenizer):
+    """While the grammar waits for the reasoning to end, the gate decides a row: such a request's
+    drafts get no rows (none is accepted) and its one row is the one it gets without drafts."""
+    end = tokenizer.encode("</think>", add_special_tokens=False)
+    request = _request("r", Constraint(regex="[a-z]+", reasoning_end_token_ids=end))
+    manager.submit(request)
+    request.structured_output.compiled.result(timeout=60)
+    drafts = tokenizer.encode("hmm", add_special_tokens=False)
+    assert manager.grammatical_prefix(request, drafts) == 0
+    bitmask, followed, failed = manager.draft_bitmask([request], [drafts])
+    (row,), _ = manager.grammar_bitmask([request])
+    assert not failed and followed == [[]] and bitmask.shape[0] == 1 and (bitmask[0] == row).all()

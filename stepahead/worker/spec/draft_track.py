@@ -36,6 +36,7 @@ class DraftTrack:
     model_computed: int = 0  # draft model: positions of real tokens whose KV the draft model holds
     probs: torch.Tensor | None = None  # [len(drafts), vocab]: the q each draft was drawn from; None: one-hot
     verifying_probs: torch.Tensor | None = None  # q of the drafts the current step verifies (padding one-hot)
+    resets: int = 0  # times the request resumed (a proposer's index of its tokens is then rebuilt)
 
     def note_verified(self, num_accepted: int) -> None:
         """The current step accepted num_accepted drafts; it counts only where it verified proposals
@@ -88,3 +89,4 @@ class DraftTrack:
         self.probs = self.verifying_probs = None
         self.num_verifying = 0
         self.model_computed = 0
+        self.resets += 1

@@ -39,6 +39,9 @@ class Proposer(ABC):
     def propose(self, states: list[CachedRequestState], max_drafts: list[int]) -> ProposedDrafts:
         """Drafts to follow each request's token_ids, at most max_drafts[i] for states[i] (always >= 1)."""
 
+    def finish(self, state: CachedRequestState) -> None:  # noqa: B027 (most proposers keep nothing)
+        """The request finished: a proposer that learns from outputs (suffix) takes its output here."""
+
 
 class PerRequestProposer(Proposer):
     """A host-side proposer that drafts from one request's token ids (prompt and outputs) at a time."""

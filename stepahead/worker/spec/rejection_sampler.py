@@ -23,18 +23,22 @@ from __future__ import annotations
 import torch
 
 
-def accept_drafts(drafts: list[list[int]], targets: list[int]) -> list[list[int]]:
+def accept_drafts(drafts: list[list[int]], targets: list[int],
+                  max_accepted: dict[int, int] | None = None) -> list[list[int]]:
     """drafts: per request, the drafts its step verified (possibly none); targets: the target's
-    samples of every request's 1 + len(drafts) positions, request after request.
+    samples of every request's 1 + len(drafts) positions, request after request; max_accepted: per
+    request index, at most this many drafts may be accepted (a grammar masked only the positions up to
+    there: the sample at the cap is exact, the later ones are not).
 
     Returns per request the tokens the step delivers: the accepted drafts and the target's next sample.
     """
     tokens: list[list[int]] = []
     first = 0
-    for row_drafts in drafts:
+    for i, row_drafts in enumerate(drafts):
         row = targets[first:first + len(row_drafts) + 1]
         num_accepted = 0
-        while num_accepted < len(row_drafts) and row_drafts[num_accepted] == row[num_accepted]:
+        limit = len(row_drafts) if max_accepted is None else min(len(row_drafts), max_accepted.get(i, len(row_drafts)))
+        while num_accepted < limit and row_drafts[num_accepted] == row[num_accepted]:
             num_accepted += 1
         tokens.append(row[:num_accepted + 1])
         first += len(row_drafts) + 1

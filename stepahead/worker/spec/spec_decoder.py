@@ -27,6 +27,7 @@ from stepahead.worker.spec.draft_model_proposer import DraftModelProposer
 from stepahead.worker.spec.ngram_proposer import NgramProposer
 from stepahead.worker.spec.proposer import PerRequestProposer, Proposer
 from stepahead.worker.spec.rejection_sampler import accept_drafts, rejection_sample
+from stepahead.worker.spec.suffix_proposer import SuffixProposer
 
 
 @dataclass
@@ -74,6 +75,8 @@ def make_proposer(config: EngineConfig) -> Proposer:
         return ngram_proposer(spec, config.scheduler_config.max_model_len)
     if spec.method == "draft_model":
         return DraftModelProposer(config)
+    if spec.method == "suffix":
+        return SuffixProposer(spec, config.scheduler_config.max_model_len)
     raise ValueError(f"speculative_config.method {spec.method!r} has no proposer on the worker")
 
 
@@ -127,9 +130,11 @@ class SpecDecoder:
         return state.num_computed_tokens
 
     def sample_and_verify(self, logits: torch.Tensor, rows: list[RowSampling], drafts: list[list[int]],
-                          draft_probs: list[torch.Tensor | None] | None = None) -> VerifiedStep:
+                          draft_probs: list[torch.Tensor | None] | None = None,
+                          max_accepted: dict[int, int] | None = None) -> VerifiedStep:
         """logits: one row per position, request after request (1 + len(drafts[r]) each). draft_probs:
-        per request the q its drafts were drawn from (None: one-hot drafts, or none)."""
+        per request the q its drafts were drawn from (None: one-hot drafts, or none); max_accepted: per
+        row, the most drafts its grammar's masks allow to accept."""
         if not rows:
             return VerifiedStep([])
         expanded = expand_rows(rows, drafts)
@@ -146,9 +151,9 @@ class SpecDecoder:
             apart = sample_rows_apart(logits, expanded, e)
             targets, row_logprobs, failed_positions = apart.token_ids, apart.logprobs, apart.failed
             md = None  # sampled row by row: keep the one-hot rule's tokens
-        step = VerifiedStep(accept_drafts(drafts, targets))
+        step = VerifiedStep(accept_drafts(drafts, targets, max_accepted))
         if draft_probs is not None and md is not None:
-            self._verify_drawn_drafts(step, logits, md, rows, drafts, draft_probs)
+            self._verify_drawn_drafts(step, logits, md, rows, drafts, draft_probs, max_accepted or {})
         first = 0
         for i, (row_drafts, tokens) in enumerate(zip(drafts, step.tokens, strict=True)):
             positions = range(first, first + len(row_drafts) + 1)
@@ -162,12 +167,13 @@ class SpecDecoder:
 
     @staticmethod
     def _verify_drawn_drafts(step: VerifiedStep, logits: torch.Tensor, md: SamplingMetadata, rows: list[RowSampling],
-                             drafts: list[list[int]], draft_probs: list[torch.Tensor | None]) -> None:
+                             drafts: list[list[int]], draft_probs: list[torch.Tensor | None],
+                             max_accepted: dict[int, int]) -> None:
         """Rows whose drafts were drawn from a q get the general rule's tokens (rejection_sampler.py);
-        not rows with logprobs, whose tokens keep the one-hot rule's (valid for any drafts, and the
-        logprobs computed are of its tokens)."""
-        general = [i for i, q in enumerate(draft_probs) if q is not None and drafts[i] and
-                   rows[i].params.logprobs is None and not rows[i].params.is_greedy]
+        not rows with logprobs, nor rows a grammar caps, whose tokens keep the one-hot rule's (valid for
+        any drafts; the logprobs computed are of its tokens, and the grammar's masks cover its positions)."""
+        general = [i for i, q in enumerate(draft_probs) if q is not None and drafts[i] and i not in max_accepted
+                   and rows[i].params.logprobs is None and not rows[i].params.is_greedy]
         if not general:
             return
         first = np.cumsum([0] + [1 + len(d) for d in drafts]).tolist()
@@ -188,7 +194,7 @@ class SpecDecoder:
     def propose(self, states: list[CachedRequestState], drafts: list[list[int]],
                 step: VerifiedStep) -> Proposals:
         """Append each request's verified tokens, give back its rejected positions, and propose its
-        next drafts (none for a grammar request: its drafts would need the grammar's check first)."""
+        next drafts (a grammar request's too: the scheduler's bitmask masks every draft position)."""
         # A batch this large drafts nothing (speculative_config.disable_by_batch_size).
         k = self.num_speculative_tokens if self.disable_by_batch_size is None or \
             len(states) < self.disable_by_batch_size else 0
@@ -199,8 +205,6 @@ class SpecDecoder:
             track = state.draft
             track.note_verified(len(tokens) - 1)
             track.drafts, track.probs = [], None
-            if state.sampling_params.structured_outputs is not None:
-                continue
             drafting.append(state)
             if k and track.may_propose():
                 asking.append(state)
@@ -217,6 +221,10 @@ class SpecDecoder:
             out.draft_token_ids[state.req_id] = list(state.draft.drafts)
             out.draft_slots[state.req_id] = len(state.draft.drafts)
         return out
+
+    def finish(self, state: CachedRequestState) -> None:
+        """The request finished (the suffix proposer keeps its output for the requests that follow)."""
+        self.proposer.finish(state)
 
     @staticmethod
     def to_output(req_ids: list[str], sample_rows: list[int], step: VerifiedStep,
