@@ -198,14 +198,13 @@ class SpecDecoder:
         # A batch this large drafts nothing (speculative_config.disable_by_batch_size).
         k = self.num_speculative_tokens if self.disable_by_batch_size is None or \
             len(states) < self.disable_by_batch_size else 0
-        drafting, asking, max_drafts = [], [], []
+        asking, max_drafts = [], []
         for state, row_drafts, tokens in zip(states, drafts, step.tokens, strict=True):
             state.token_ids.extend(tokens)
             state.num_computed_tokens -= len(row_drafts) - (len(tokens) - 1)
             track = state.draft
             track.note_verified(len(tokens) - 1)
             track.drafts, track.probs = [], None
-            drafting.append(state)
             if k and track.may_propose():
                 asking.append(state)
                 max_drafts.append(track.num_drafts(k))
@@ -217,7 +216,7 @@ class SpecDecoder:
                 if not ids:
                     state.draft.note_no_proposal()
         out = Proposals({}, {})
-        for state in drafting:
+        for state in states:
             out.draft_token_ids[state.req_id] = list(state.draft.drafts)
             out.draft_slots[state.req_id] = len(state.draft.drafts)
         return out
