@@ -73,9 +73,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def attention_instruction_set() -> str:
     """What paged_decode_attention computes on in this process: "avx512" (16-float vectors, on a CPU
-    with AVX-512, for heads of a multiple of 64 floats) or "avx2". Decided at the first call for the
-    whole process; STEPAHEAD_MAX_CPU_ISA=avx2 or avx512_vnni (the packed GEMM's cap at 256-bit vectors),
-    set before it, keeps "avx2" (A/B runs, tests)."""
+    with AVX-512, for heads of a multiple of 64 floats, where STEPAHEAD_CPU_ATTENTION=avx512 asks for
+    them) or "avx2" (the default: its bits are the same on every x86 machine). Decided at the first call
+    for the whole process; STEPAHEAD_MAX_CPU_ISA=avx2 or avx512_vnni (the packed GEMM's cap at 256-bit
+    vectors), set before it, keeps "avx2"."""
     return str(_op("paged_decode_isa")())
 
 

@@ -32,6 +32,11 @@ namespace stepahead_cpu {
 bool attention_uses_avx512() {
 #if defined(__GNUC__) && !defined(__clang__)
   static const bool wide = [] {
+    // Opt-in: the 16-lane sums round differently from AVX2's (within float rounding), and that moves
+    // near-tie tokens (the built-in model's answer to its capital-of-France check flips), so the default
+    // stays on the loops whose bits every machine shares.
+    const char* opt_in = std::getenv("STEPAHEAD_CPU_ATTENTION");
+    if (opt_in == nullptr || std::string(opt_in) != "avx512") return false;
     const char* cap = std::getenv("STEPAHEAD_MAX_CPU_ISA");
     // avx512_vnni caps the packed GEMM at 256-bit vectors: no 512-bit ones here either
     if (cap != nullptr && (std::string(cap) == "avx2" || std::string(cap) == "avx512_vnni")) return false;

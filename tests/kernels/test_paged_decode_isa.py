@@ -1,5 +1,6 @@
-"""The decode kernel on AVX-512's 16-float vectors (paged_decode_avx512.cpp) against the same kernel in a
-process capped at AVX2 (STEPAHEAD_MAX_CPU_ISA=avx2): decode rows, prompt tiles, sliding windows, logit
+"""The decode kernel on AVX-512's 16-float vectors (paged_decode_avx512.cpp, asked for with
+STEPAHEAD_CPU_ATTENTION=avx512, so run in a process of its own) against the same kernel in a process
+capped at AVX2 (STEPAHEAD_MAX_CPU_ISA=avx2): decode rows, prompt tiles, sliding windows, logit
 caps, three cache types, query-head groups of 1 to 5; each within float rounding of float64 and of
 the other, bitwise the same where heads are not a multiple of 64 floats (both run AVX2's loops); and
 on the wide path each row's bits are its own, whatever the rows beside it and its place among them."""
@@ -17,16 +18,12 @@ from stepahead.kernels import cpu_build
 
 needs_kernels = pytest.mark.skipif(not cpu_build.machine_can_build(), reason="needs an AVX2 CPU and a C++ compiler")
 
-_AVX2_RUN = """
+_RUN = """
 import sys, torch
 from stepahead.kernels import cpu_ops
-cases = torch.load(sys.argv[1])
-outs = []
-for c in cases:
-    out = torch.empty_like(c["q"])
-    cpu_ops.paged_decode_attention(c["q"], c["k"], c["v"], c["table"], c["lens"], c["scale"], out, c["window"],
-                                   c["softcap"])
-    outs.append(out)
+from tests.kernels.test_paged_decode_isa import _attend
+jobs = torch.load(sys.argv[1])
+outs = [_attend(c, rows) for c, rows in jobs]
 torch.save((cpu_ops.attention_instruction_set(), outs), sys.argv[2])
 """
 
@@ -71,21 +68,25 @@ def _float64(c: dict) -> torch.Tensor:
     return out
 
 
+def _run_apart(jobs: list[tuple[dict, list[int] | None]], tmp_path, **env: str) -> tuple[str, list]:
+    """Each (case, rows) attended in a process of its own with `env` set: its instruction set, the outputs."""
+    torch.save(jobs, tmp_path / "jobs.pt")
+    subprocess.run([sys.executable, "-c", _RUN, str(tmp_path / "jobs.pt"), str(tmp_path / "outs.pt")],
+                   env={**os.environ, **env}, check=True, timeout=600)
+    return torch.load(tmp_path / "outs.pt")
+
+
 def _capped_at_avx2(cases: list[dict], tmp_path) -> list[torch.Tensor]:
-    torch.save(cases, tmp_path / "cases.pt")
-    env = {**os.environ, "STEPAHEAD_MAX_CPU_ISA": "avx2"}
-    subprocess.run([sys.executable, "-c", _AVX2_RUN, str(tmp_path / "cases.pt"), str(tmp_path / "avx2.pt")],
-                   env=env, check=True, timeout=600)
-    isa, outs = torch.load(tmp_path / "avx2.pt")
+    isa, outs = _run_apart([(c, None) for c in cases], tmp_path, STEPAHEAD_MAX_CPU_ISA="avx2")
     assert isa == "avx2"
     return outs
 
 
-def _needs_avx512() -> None:
-    from stepahead.kernels import cpu_ops
-
-    if cpu_ops.attention_instruction_set() != "avx512":
+def _on_avx512(jobs: list[tuple[dict, list[int] | None]], tmp_path) -> list[torch.Tensor]:
+    isa, outs = _run_apart(jobs, tmp_path, STEPAHEAD_CPU_ATTENTION="avx512")
+    if isa != "avx512":
         pytest.skip("needs a CPU with AVX-512, where the kernel attends on 16-float vectors")
+    return outs
 
 
 DECODE_LENS = [1, 7, 8, 9, 16, 40, 77, 300]
@@ -106,8 +107,7 @@ def test_avx512_and_avx2_agree_within_rounding_and_are_the_same_code_off_64_floa
         _case(6, 2, 64, 5, torch.float16, DECODE_LENS),  # blocks of 5: one key at a time
     ]
     narrow = [_case(6, 2, 80, 16, dtype, DECODE_LENS) for dtype in (torch.float16, torch.float32)]
-    _needs_avx512()
-    here = [_attend(c) for c in wide + narrow]
+    here = _on_avx512([(c, None) for c in wide + narrow], tmp_path)
     avx2 = _capped_at_avx2(wide + narrow, tmp_path)
     for c, ours, theirs in zip(wide, here[:len(wide)], avx2[:len(wide)], strict=True):
         reference = _float64(c)
@@ -122,16 +122,18 @@ def test_avx512_and_avx2_agree_within_rounding_and_are_the_same_code_off_64_floa
 
 @needs_kernels
 @pytest.mark.parametrize("window,softcap", [(0, 0.0), (24, 5.0)])
-def test_on_avx512_a_rows_bits_do_not_depend_on_the_rows_beside_it(window, softcap):
+def test_on_avx512_a_rows_bits_do_not_depend_on_the_rows_beside_it(window, softcap, tmp_path):
     """Decode rows and a prompt's rows (tiles), each alone, in their batch, and in the batch reversed."""
-    _needs_avx512()
     torch.manual_seed(1)
     cases = [_case(9, 3, 64, 16, torch.float16, DECODE_LENS, window=window, softcap=softcap),
              _case(9, 3, 64, 16, torch.float16, PROMPT_LENS, shared_table=True, window=window, softcap=softcap)]
+    jobs: list[tuple[dict, list[int] | None]] = []
     for c in cases:
-        together = _attend(c)
         rows = len(c["lens"])
-        reversed_rows = _attend(c, list(range(rows - 1, -1, -1))).flip(0)
+        jobs += [(c, None), (c, list(range(rows - 1, -1, -1)))] + [(c, [r]) for r in range(rows)]
+    outs = iter(_on_avx512(jobs, tmp_path))
+    for c in cases:
+        together, reversed_rows = next(outs), next(outs).flip(0)
         assert torch.equal(together, reversed_rows)
-        for r in range(rows):
-            assert torch.equal(_attend(c, slice(r, r + 1))[0], together[r]), f"row {r}"
+        for r in range(len(c["lens"])):
+            assert torch.equal(next(outs)[0], together[r]), f"row {r}"
