@@ -42,6 +42,13 @@ class Proposer(ABC):
     def finish(self, state: CachedRequestState) -> None:  # noqa: B027 (most proposers keep nothing)
         """The request finished: a proposer that learns from outputs (suffix) takes its output here."""
 
+    def kv_bytes_per_token(self) -> int:
+        """What the proposer keeps per token of the target's KV pool (a draft model: its own KV)."""
+        return 0
+
+    def allocate_kv(self, num_blocks: int) -> None:  # noqa: B027 (most proposers keep no KV)
+        """Once the target's pool size is known: the proposer's KV over the same block ids."""
+
 
 class PerRequestProposer(Proposer):
     """A host-side proposer that drafts from one request's token ids (prompt and outputs) at a time."""

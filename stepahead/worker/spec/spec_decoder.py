@@ -89,13 +89,10 @@ class SpecDecoder:
         self.proposer = proposer
 
     def kv_bytes_per_token(self) -> int:
-        """What the proposer keeps per token of the target's KV pool (a draft model's own KV)."""
-        return self.proposer.kv_bytes_per_token() if isinstance(self.proposer, DraftModelProposer) else 0
+        return self.proposer.kv_bytes_per_token()
 
     def allocate_kv(self, num_blocks: int) -> None:
-        """Once the target's pool size is known: the proposer's KV over the same block ids."""
-        if isinstance(self.proposer, DraftModelProposer):
-            self.proposer.allocate_kv(num_blocks)
+        self.proposer.allocate_kv(num_blocks)
 
     def step_drafts(self, state: CachedRequestState, scheduled: list[int] | None) -> list[int]:
         """The drafts a step verifies after the request's last known token: the ids the synchronous
