@@ -2,9 +2,11 @@
 # Device script 2 of 2: benchmarks on one CUDA GPU with nano-vllm's bench.py protocol (a Qwen3-0.6B-shaped
 # model with dummy bf16 weights, 256 sequences, input and output lengths uniform in [100, 1024] token ids,
 # ignore_eos, temperature 0.6), in parts each bounded by a timeout and run whatever the others did (the
-# timeouts add to 460 s, inside one 600 s device command):
+# timeouts add to 520 s, inside one 600 s device command):
 #   compare          async (step-ahead) vs sync scheduling: output throughput, GPU utilization, a timeline PNG;
 #   decode-bN        ms per decode step at batch 64 (context ~500) and 256 (context ~850);
+#   verify-rows      ms per decode step at 1, 5, 32 and 160 rows (context ~500): what verifying four drafts
+#                    per request costs at one and at 32 streams (5 and 160 rows) against plain decoding;
 #   transformers     transformers generate_batch (bf16) against stepahead on the same requests (64 of them
 #                    by default: generate_batch runs ~800 tok/s, and 256 would not fit its limit).
 # The summary at the end gives every part's status; the script exits nonzero when any failed. Everything
@@ -18,7 +20,7 @@
 # Environment (all prefixed STEPAHEAD_GPU_): PYTHON (default: the repo's venv if it has CUDA, else
 # python3), NUM_PROMPTS (256), MIN_LEN (100), MAX_LEN (1024), ROUNDS (1), TIME_BUDGET (seconds of
 # rounds, 100), EXECUTOR (mp), NUM_KV_BLOCKS (24576 per engine), HF_PROMPTS (64), SKIP (part names to
-# skip: compare decode-b64 decode-b256 transformers), SMOKE=1 (a 2-layer model and 16 short sequences
+# skip: compare decode-b64 decode-b256 verify-rows transformers), SMOKE=1 (a 2-layer model and 16 short sequences
 # on CPU, transformers skipped unless SKIP is set: checks this script anywhere in a minute).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_common.sh"
@@ -64,9 +66,11 @@ if [ "$SMOKE" = 1 ]; then
   defaults=(16 8 48 256)   # prompts, min and max length, KV blocks
   export STEPAHEAD_GPU_SKIP="${STEPAHEAD_GPU_SKIP-transformers}"
   DECODE_SHAPES="4:40 8:60"
+  VERIFY_ROWS="1 5"; VERIFY_CONTEXT=40
 else
   defaults=(256 100 1024 24576)
   DECODE_SHAPES="64:500 256:850"  # batch:context
+  VERIFY_ROWS="1 5 32 160"; VERIFY_CONTEXT=500
 fi
 NUM_PROMPTS="${STEPAHEAD_GPU_NUM_PROMPTS:-${defaults[0]}}"
 MIN_LEN="${STEPAHEAD_GPU_MIN_LEN:-${defaults[1]}}"; MAX_LEN="${STEPAHEAD_GPU_MAX_LEN:-${defaults[2]}}"
@@ -92,6 +96,11 @@ for shape in $DECODE_SHAPES; do
     --device "$DEVICE" --batch "$batch" --context "$context" --steps 20 --prefill 0 \
     --json "$OUTDIR/gpu-decode-b$batch-$STAMP.json"
 done
+
+# Speculative decoding's verifying step with four drafts is a decode step of 1 + 4 rows per request.
+gpu_part verify-rows 60 "$PY" "$REPO/benchmarks/runner_step.py" --model "$MODEL_DIR" --load-format dummy \
+  --device "$DEVICE" --batch $VERIFY_ROWS --context "$VERIFY_CONTEXT" --steps 20 --prefill 0 \
+  --json "$OUTDIR/gpu-verify-rows-$STAMP.json"
 
 # Greedy on both sides (--compare transformers sets it).
 gpu_part transformers 150 "${CLI[@]}" "${ENGINE[@]}" --num-prompts "$HF_PROMPTS" \
