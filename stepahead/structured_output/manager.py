@@ -7,7 +7,8 @@ its state always equals the output so far: a preempted request resumes with its 
 stale output is accepted when delivered and dropped output never reaches it. Only a step's drafts
 are accepted ahead of the output, to check them and mask each draft position, and are rolled back at
 once. A request with a reasoning gate (reasoning_gate.py) hands its matcher only the tokens after its
-reasoning, and its rows allow every token until then (such a request's drafts are not followed).
+reasoning, and its rows allow every token until then (its drafts are followed through the one that
+ends the reasoning; after that, through the grammar, as any request's).
 
 A failure is the request's own: a compile that fails or outlasts MAX_COMPILE_S, or a matcher that
 raises, fails that request with the reason, and the others go on.
@@ -15,6 +16,7 @@ raises, fails that request with the reason, and the others go on.
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 from collections import OrderedDict
@@ -29,7 +31,7 @@ import numpy as np
 from stepahead.request import Request
 from stepahead.structured_output.compiler import GrammarCompiler
 from stepahead.structured_output.grammar_spec import GrammarSpec, compiler_message, grammar_spec
-from stepahead.structured_output.reasoning_gate import ReasoningGate
+from stepahead.structured_output.reasoning_gate import Phase, ReasoningGate
 
 MAX_CACHED_GRAMMARS = 128
 # A request whose grammar has not compiled this long after it arrived fails (the compile itself cannot
@@ -185,8 +187,9 @@ class StructuredOutputManager:
         """How many of the drafts, in order, the grammar accepts after the output so far (the matcher is
         left as it was). A draft that would complete the grammar ends the prefix: an end token is only
         ever the step's own sample, as in plain decoding."""
-        if request.structured_output.reasoning is not None:
-            return 0  # the gate, not the matcher, decides what its next tokens may be
+        gate = request.structured_output.reasoning
+        if gate is not None and not gate.constrained:  # the gate, not the matcher, decides
+            return len(self._reasoning_prefix(gate, draft_token_ids)[0])
         matcher = self._matcher(request.structured_output)
         kept = 0
         for token in draft_token_ids:
@@ -215,12 +218,11 @@ class StructuredOutputManager:
         row = 0
         for request, request_drafts in zip(requests, drafts, strict=True):
             kept: list[int] = []
-            if request.structured_output.reasoning is not None:  # its one row, as without drafts
-                (gated,), gate_failed = self.grammar_bitmask([request])
-                bitmask[row] = torch.from_numpy(gated)
-                failed.update(gate_failed)
+            gate = request.structured_output.reasoning
+            if gate is not None and not gate.constrained:
+                kept = self._reasoning_rows(request, request_drafts, bitmask, row, failed)
                 followed.append(kept)
-                row += 1
+                row += 1 + len(kept)
                 continue
             try:
                 matcher = self._matcher(request.structured_output)
@@ -238,6 +240,43 @@ class StructuredOutputManager:
             followed.append(kept)
             row += 1 + len(kept)
         return bitmask[:row].numpy(), followed, failed
+
+    @staticmethod
+    def _reasoning_prefix(gate: ReasoningGate, drafts: list[int]) -> tuple[list[int], bool]:
+        """The drafts a request still reasoning may follow, and whether the last of them ends the
+        reasoning: every token is allowed while reasoning, so all of them through the one that ends it
+        (the grammar's row follows that one). A gate still reading the start marker follows none."""
+        if gate.phase is not Phase.REASONING:
+            return [], False
+        trial = copy.deepcopy(gate)  # the gate itself advances only with the output (invariant G1)
+        for i, token in enumerate(drafts):
+            trial.feed([token])
+            if trial.constrained:
+                return drafts[:i + 1], True
+        return list(drafts), False
+
+    def _reasoning_rows(self, request: Request, drafts: list[int], bitmask: Any, row: int,
+                        failed: dict[str, str]) -> list[int]:
+        """The rows from `row` on of a request whose grammar waits for its reasoning to end; returns the
+        drafts they follow (_reasoning_prefix). The first row is the gate's own (grammar_bitmask's), the
+        rows after drafts inside the reasoning allow everything, and the row after the draft that ends
+        it is the grammar's first (its matcher has read nothing yet)."""
+        import torch
+
+        gate = request.structured_output.reasoning
+        assert gate is not None
+        (gated,), gate_failed = self.grammar_bitmask([request])
+        bitmask[row] = torch.from_numpy(gated)
+        failed.update(gate_failed)
+        if gate_failed:
+            return []
+        kept, ended = self._reasoning_prefix(gate, drafts)
+        if ended:
+            try:
+                self._matcher(request.structured_output).fill_next_token_bitmask(bitmask, row + len(kept))
+            except Exception as e:  # one request's grammar fails that request alone
+                failed[request.request_id] = f"the grammar matcher failed: {e!r}"
+        return kept
 
     def _fill(self, bitmask: Any, matchers: list[Any], live: list[int]) -> None:
         if len(live) == 1:

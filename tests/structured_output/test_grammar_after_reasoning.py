@@ -92,3 +92,32 @@ def test_auto_tool_calls_are_read_after_the_reasoning(client):
     assert choice.message.reasoning_content == THOUGHT and choice.finish_reason == "tool_calls"
     assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == \
         [("get_weather", {"city": "Oslo"})]
+
+
+def test_drafts_run_through_the_reasoning_into_the_grammar(scripted):
+    """The prompt holds the thought and the answer, so n-gram drafts copy both: a draft inside the
+    reasoning is followed (every token is allowed there), so is the one that ends it, and after it the
+    grammar's own row decides. The output equals the undrafted one, and the drafts were accepted."""
+    from transformers import AutoTokenizer
+
+    folder, prompt_ids, script, end = scripted
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    ask = [{"role": "user", "content": f"{THOUGHT}</think>yes"}]
+    prompt = tokenizer.encode(tokenizer.apply_chat_template(ask, tokenize=False, add_generation_prompt=True),
+                              add_special_tokens=False)
+    assert prompt[-1] == prompt_ids[-1]  # the scripted model starts its thought after it
+    params = SamplingParams(max_tokens=32, temperature=0,
+                            structured_outputs=Constraint(choice=["yes"], reasoning_end_token_ids=end))
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    runs = {}
+    for name, engine in (("plain", {}), ("drafted", {"speculative_config": ngram}),
+                         ("drafted_sync", {"speculative_config": ngram, "async_scheduling": False})):
+        with LLM(str(folder), executor="uni", **engine) as llm:
+            (out,) = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+            runs[name] = (out.outputs[0].token_ids, out.outputs[0].text, llm.stats())
+    tokens, text, _ = runs["plain"]
+    assert text == f"{THOUGHT}</think>yes"
+    for name in ("drafted", "drafted_sync"):
+        assert runs[name][0] == tokens
+        # Most of the thought came from accepted drafts (none would be, were drafts not followed there).
+        assert runs[name][2].spec_num_accepted_tokens >= len(script) // 2

@@ -105,15 +105,28 @@ def test_a_draft_that_ends_the_grammar_is_left_to_the_sample(manager, model_conf
     assert manager.grammatical_prefix(request, yes + [model_config.eos_token_id]) == len(yes)
 
 
-def test_drafts_of_a_request_behind_a_reasoning_gate_are_not_followed(manager, tokenizer):
-    """While the grammar waits for the reasoning to end, the gate decides a row: such a request's
-    drafts get no rows (none is accepted) and its one row is the one it gets without drafts."""
+def test_drafts_are_followed_through_the_reasoning_into_the_grammar(manager, tokenizer):
+    """While the grammar waits for the reasoning to end, every token is allowed: a request's drafts are
+    followed with all-allowed rows through the one that ends the reasoning, and the row after that one
+    is the grammar's first; the drafts after it are left to the next step. The gate is left as it was."""
     end = tokenizer.encode("</think>", add_special_tokens=False)
     request = _request("r", Constraint(regex="[a-z]+", reasoning_end_token_ids=end))
     manager.submit(request)
     request.structured_output.compiled.result(timeout=60)
-    drafts = tokenizer.encode("hmm", add_special_tokens=False)
-    assert manager.grammatical_prefix(request, drafts) == 0
+    thought = tokenizer.encode("hmm ok", add_special_tokens=False)
+    answer = tokenizer.encode("yes", add_special_tokens=False)
+    drafts = thought + end + answer
+    assert manager.grammatical_prefix(request, drafts) == len(thought) + len(end)
+    assert manager.grammatical_prefix(request, thought) == len(thought)  # none ends it: all followed
     bitmask, followed, failed = manager.draft_bitmask([request], [drafts])
+    assert not failed and followed == [thought + end] and bitmask.shape[0] == 1 + len(thought) + len(end)
+    (gate_row,), _ = manager.grammar_bitmask([request])
+    assert (bitmask[0] == gate_row).all() and (bitmask[1:-1] == -1).all()
+    grammar = _request("g", Constraint(regex="[a-z]+"))  # the same grammar without a gate, from its start
+    manager.submit(grammar)
+    grammar.structured_output.compiled.result(timeout=60)
+    (first,), _ = manager.grammar_bitmask([grammar])
+    assert (bitmask[-1] == first).all() and not (first == -1).all()
     (row,), _ = manager.grammar_bitmask([request])
-    assert not failed and followed == [[]] and bitmask.shape[0] == 1 and (bitmask[0] == row).all()
+    assert (row == gate_row).all()  # the gate did not move
+    assert manager.accept_tokens(request, thought + end + answer)  # and reads the output as before
