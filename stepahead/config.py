@@ -97,6 +97,7 @@ class SchedulerConfig:
 # accepted and ignored.
 SPECULATIVE_METHODS = ("ngram", "draft_model", "suffix")
 SUPPORTED_SPECULATIVE_METHODS: tuple[str, ...] = ("ngram", "draft_model", "suffix")
+DRAFT_POLICIES = ("cost", "acceptance")
 # vLLM's n-gram lengths when neither is given; when one is, the other takes its value.
 DEFAULT_PROMPT_LOOKUP = 5
 
@@ -112,6 +113,11 @@ class SpeculativeConfig:
     # No drafts while a step samples this many requests or more (where the forward pass is compute-bound,
     # draft positions cost about what they save); None: always draft.
     disable_by_batch_size: int | None = None
+    # How many drafts a request proposes (at most num_speculative_tokens): "cost" drafts a position only
+    # where its chance of acceptance outweighs what its row costs, measured on recent steps (drafting
+    # stops at batch sizes where it would not pay); "acceptance" one more than the request has been
+    # accepting (worker/spec/draft_budget.py, draft_track.py).
+    draft_policy: str = "cost"
     # draft_model: the draft checkpoint (a folder, a .gguf file or a hub id, as the target's model), loaded
     # by the target's loader with the target's dtype; it must share the target's vocabulary.
     model: str | None = None
@@ -142,6 +148,8 @@ class SpeculativeConfig:
         check_field(self.disable_by_batch_size is None
                     or (isinstance(self.disable_by_batch_size, int) and self.disable_by_batch_size >= 1),
                     "speculative_config.disable_by_batch_size", self.disable_by_batch_size, "must be an int >= 1")
+        check_field(self.draft_policy in DRAFT_POLICIES, "speculative_config.draft_policy", self.draft_policy,
+                    f"must be one of {', '.join(DRAFT_POLICIES)}")
         check_field(isinstance(self.prompt_lookup_min, int) and self.prompt_lookup_min >= 1,
                     "speculative_config.prompt_lookup_min", self.prompt_lookup_min, "must be an int >= 1")
         check_field(isinstance(self.prompt_lookup_max, int) and self.prompt_lookup_max >= (self.prompt_lookup_min or 1),

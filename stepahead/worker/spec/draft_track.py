@@ -11,6 +11,10 @@ and resets the pause. The worker asks the async scheduler for as many draft slot
 Between pauses the number of drafts follows what the request accepts: one more than the moving
 average of its accepted drafts (a step that accepted every draft counts one more than it verified,
 so a request that keeps hitting grows back to k), so positions that would be rejected are not paid for.
+Once the worker knows what a row costs, the step's draft budget decides instead (draft_budget.py),
+from `acceptance()`: the chance that a draft is accepted when the ones before it were, counted over
+the request's verified drafts (each verifying step adds its accepted drafts, and one rejection unless
+it accepted all), with old steps fading by ACCEPTANCE_DECAY a step and one of each to start from.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ MISSES_BEFORE_PAUSE = 3
 FIRST_PAUSE_STEPS = 8
 MAX_PAUSE_STEPS = 128
 ACCEPTED_AVERAGE_WEIGHT = 0.3  # of the latest step, in the moving average of accepted drafts
+ACCEPTANCE_DECAY = 0.9  # per sampling step, of the accepted and rejected drafts counted so far
 
 
 @dataclass
@@ -37,12 +42,18 @@ class DraftTrack:
     probs: torch.Tensor | None = None  # [len(drafts), vocab]: the q each draft was drawn from; None: one-hot
     verifying_probs: torch.Tensor | None = None  # q of the drafts the current step verifies (padding one-hot)
     resets: int = 0  # times the request resumed (a proposer's index of its tokens is then rebuilt)
+    accepted_weight: float = 0.0  # accepted drafts, fading (acceptance())
+    rejected_weight: float = 0.0  # rejections (one per verifying step that did not accept all), fading
 
     def note_verified(self, num_accepted: int) -> None:
         """The current step accepted num_accepted drafts; it counts only where it verified proposals
         (async scheduling may have reserved slots the worker had nothing for, padding included)."""
+        self.accepted_weight *= ACCEPTANCE_DECAY
+        self.rejected_weight *= ACCEPTANCE_DECAY
         if self.num_verifying == 0:
             return
+        self.accepted_weight += num_accepted
+        self.rejected_weight += 1 if num_accepted < self.num_verifying else 0
         observed = num_accepted + (1 if num_accepted >= self.num_verifying else 0)
         self.num_verifying = 0
         average = observed if self.accepted_average is None else self.accepted_average
@@ -71,6 +82,10 @@ class DraftTrack:
         if self.accepted_average is None:
             return k
         return max(1, min(k, round(self.accepted_average) + 1))
+
+    def acceptance(self) -> float:
+        """The chance that a draft is accepted when the drafts before it were (see the top)."""
+        return (self.accepted_weight + 1.0) / (self.accepted_weight + self.rejected_weight + 2.0)
 
     @property
     def paused(self) -> bool:

@@ -23,6 +23,7 @@ from stepahead.worker.row_failures import sample_rows_apart
 from stepahead.worker.sampler import logprobs_to_host, sample, sampling_probs
 from stepahead.worker.sampling_metadata import RowSampling, SamplingMetadata
 from stepahead.worker.spec import spec_uniforms
+from stepahead.worker.spec.draft_budget import StepCost, allocate_drafts
 from stepahead.worker.spec.draft_model_proposer import DraftModelProposer
 from stepahead.worker.spec.ngram_proposer import NgramProposer
 from stepahead.worker.spec.proposer import PerRequestProposer, Proposer
@@ -87,6 +88,12 @@ class SpecDecoder:
         self.num_speculative_tokens = spec.num_speculative_tokens
         self.disable_by_batch_size = spec.disable_by_batch_size
         self.proposer = proposer
+        self.cost = StepCost() if spec.draft_policy == "cost" else None  # what a row costs, once measured
+
+    def record_step(self, rows: int, seconds: float) -> None:
+        """A step of decode and draft rows only took `seconds` (the draft budget's measure of a row)."""
+        if self.cost is not None:
+            self.cost.record(rows, seconds)
 
     def kv_bytes_per_token(self) -> int:
         return self.proposer.kv_bytes_per_token()
@@ -205,6 +212,11 @@ class SpecDecoder:
             if k and track.may_propose():
                 asking.append(state)
                 max_drafts.append(track.num_drafts(k))
+        if asking and self.cost is not None and self.cost.fitted:  # the step's budget decides instead
+            budget = allocate_drafts([s.draft.acceptance() for s in asking], [k] * len(asking), len(states),
+                                     self.cost)
+            asking = [s for s, n in zip(asking, budget, strict=True) if n]
+            max_drafts = [n for n in budget if n]
         if asking:  # one call for the batch: a draft model runs its passes across every request at once
             proposed = self.proposer.propose(asking, max_drafts)
             for i, (state, ids) in enumerate(zip(asking, proposed.token_ids, strict=True)):
