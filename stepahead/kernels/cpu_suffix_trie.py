@@ -2,9 +2,10 @@
 with its nodes in one vector, named by index, and their children in one table keyed by (parent, token).
 
 The proposer indexes every prompt token at up to max_tree_depth nodes; in Python objects that is some
-300 bytes and a few microseconds a node, which a long prompt pays at its first step. The same walks in
-C++ take a fraction of that (docs/BENCHMARKS.md §18.3). A frontier is a list of node indices; a trie
-checks every index it is handed (a stale or foreign one is a ValueError, never a wrong read).
+270 bytes and over a microsecond a node (more as the garbage collector walks them), which a long
+prompt pays at its first step. In C++ it is some 65 bytes and under 0.1 µs (docs/BENCHMARKS.md §18.3).
+A frontier is a list of node indices; a trie checks every index it is handed (a stale or foreign one
+is a ValueError, never a wrong read).
 """
 
 from __future__ import annotations
