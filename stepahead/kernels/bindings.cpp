@@ -8,6 +8,7 @@
 
 #include "decode_stack.h"
 #include "ops.h"
+#include "suffix_trie.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
@@ -25,4 +26,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<const std::vector<std::vector<at::Tensor>>&, const std::vector<std::vector<int64_t>>&, int64_t,
                     int64_t, int64_t, double, double, bool>())
       .def("forward", &stepahead_cpu::DecodeStack::forward, no_gil);
+  // The trie keeps the GIL: its calls are short, and the GIL is what keeps two threads off one trie.
+  using stepahead_cpu::SuffixTrie;
+  py::class_<SuffixTrie>(m, "SuffixTrie")
+      .def(py::init<int64_t>())
+      .def("extend", &SuffixTrie::extend)
+      .def("retract", &SuffixTrie::retract)
+      .def("match", &SuffixTrie::match)
+      .def("match_tokens", &SuffixTrie::match_tokens)
+      .def("draft", &SuffixTrie::draft)
+      .def("count", &SuffixTrie::count)
+      .def("substring_counts", &SuffixTrie::substring_counts)
+      .def("memory_bytes", &SuffixTrie::memory_bytes)
+      .def_property_readonly("num_nodes", &SuffixTrie::num_nodes)
+      .def_property_readonly("max_depth", &SuffixTrie::max_depth);
 }

@@ -23,7 +23,8 @@ logger = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(name)
            for name in ("bindings.cpp", "packed_gemm.cpp", "rms_norm.cpp", "rope.cpp", "paged_decode.cpp",
                          "paged_decode_avx512.cpp", "silu_mul.cpp", "decode_stack.cpp", "round_bf16.cpp",
-                         "kv_store.cpp", "packed_gemm_zmm.cpp", "amx_gemm.cpp")]
+                         "kv_store.cpp", "packed_gemm_zmm.cpp", "amx_gemm.cpp",
+                         "suffix_trie.cpp")]
 HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 # -fopenmp: at::parallel_for is inlined into the kernels; -ffp-contract=off: a multiply and an add stay
 # two roundings unless a kernel asks for a fused multiply-add (rope.cpp matches torch's arithmetic so).

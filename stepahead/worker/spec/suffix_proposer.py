@@ -11,41 +11,55 @@ at most `suffix_decoding_max_spec_factor` x L tokens (a longer match earns a lon
 num_speculative_tokens and by the trie's depth (`suffix_decoding_max_tree_depth` bounds match plus
 draft); the candidate with the highest summed probability is proposed.
 
-Memory: a trie holds up to max_tree_depth nodes per indexed token (fewer where text repeats).
+Memory: a trie holds up to max_tree_depth nodes per indexed token (fewer where text repeats). The tries
+are C++ (kernels/cpu_suffix_trie.py) wherever stepahead's CPU kernels build, else Python's.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from stepahead.config import SpeculativeConfig
+from stepahead.kernels import cpu_suffix_trie
 from stepahead.worker.request_state import CachedRequestState
 from stepahead.worker.spec.proposer import ProposedDrafts, Proposer
-from stepahead.worker.spec.suffix_tree import SuffixNode, SuffixTrie
+from stepahead.worker.spec.suffix_tree import Frontier, SuffixIndex, SuffixTrie
+
+
+def new_suffix_trie(max_depth: int) -> SuffixIndex:
+    """An empty trie: C++ where the CPU kernels are built (any machine with an AVX2 CPU and a compiler,
+    a CUDA one too: the proposer runs on the host), Python's otherwise."""
+    if cpu_suffix_trie.available():
+        return cpu_suffix_trie.NativeSuffixTrie(max_depth)
+    return SuffixTrie(max_depth)
 
 
 @dataclass
 class RequestIndex:
     """One running request's view: its own trie, and where its latest tokens sit in the global one."""
 
-    trie: SuffixTrie
+    trie: SuffixIndex
     resets: int  # the request's DraftTrack.resets when this index was built (a resume rebuilds it)
     num_indexed: int = 0
-    frontier: list[SuffixNode] = field(default_factory=list)  # in its own trie
-    matched: list[SuffixNode] = field(default_factory=list)  # in the global trie
+    frontier: Frontier = field(default_factory=list)  # in its own trie
+    matched: Frontier = field(default_factory=list)  # in the global trie
     matched_version: int = -1  # the global trie's version the match was taken at
 
 
 class SuffixProposer(Proposer):
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int,
+                 make_trie: Callable[[int], SuffixIndex] = new_suffix_trie) -> None:
+        """make_trie: an empty trie of a given depth (A/B runs and tests pick the implementation)."""
+        self.make_trie = make_trie
         self.num_speculative_tokens = config.num_speculative_tokens
         self.max_tree_depth = config.suffix_decoding_max_tree_depth
         self.max_cached_requests = config.suffix_decoding_max_cached_requests
         self.max_spec_factor = config.suffix_decoding_max_spec_factor
         self.min_token_prob = config.suffix_decoding_min_token_prob
         self.max_model_len = max_model_len
-        self.global_trie = SuffixTrie(self.max_tree_depth)
+        self.global_trie = make_trie(self.max_tree_depth)
         self.global_version = 0  # bumped whenever the global trie changes (matches are then retaken)
         self.cached_outputs: OrderedDict[str, list[int]] = OrderedDict()  # oldest first
         self.requests: dict[str, RequestIndex] = {}
@@ -77,9 +91,7 @@ class SuffixProposer(Proposer):
             return
         if req_id in self.cached_outputs:  # an id used again replaces its older output
             self.global_trie.retract(self.cached_outputs.pop(req_id))
-        frontier: list[SuffixNode] = []
-        for token in output_token_ids:
-            frontier = self.global_trie.extend(frontier, token)
+        self.global_trie.extend([], output_token_ids)
         self.cached_outputs[req_id] = list(output_token_ids)
         while len(self.cached_outputs) > self.max_cached_requests:
             _, oldest = self.cached_outputs.popitem(last=False)
@@ -91,12 +103,12 @@ class SuffixProposer(Proposer):
         index = self.requests.get(req_id)
         if index is None or index.resets != resets or index.num_indexed > len(token_ids):
             # New, or resumed after a preemption (tokens the worker had may have been dropped).
-            index = self.requests[req_id] = RequestIndex(SuffixTrie(self.max_tree_depth), resets)
+            index = self.requests[req_id] = RequestIndex(self.make_trie(self.max_tree_depth), resets)
         in_step = index.matched_version == self.global_version
-        for token in token_ids[index.num_indexed:]:
-            index.frontier = index.trie.extend(index.frontier, token)
-            if in_step:
-                index.matched = self.global_trie.match(index.matched, token)
+        new_tokens = token_ids[index.num_indexed:]
+        index.frontier = index.trie.extend(index.frontier, new_tokens)
+        if in_step:
+            index.matched = self.global_trie.match(index.matched, new_tokens)
         index.num_indexed = len(token_ids)
         if not in_step:
             index.matched = self.global_trie.match_tokens(token_ids)

@@ -10,13 +10,25 @@ trie is in it, so those are the suffixes of lengths 1..m for the longest matched
 
 Each node remembers its most frequent child (kept up to date as counts rise, rescanned after one
 falls), so walking the likeliest continuation costs O(1) a token.
+
+The proposer runs the same trie in C++ (kernels/suffix_trie.cpp, through kernels/cpu_suffix_trie.py)
+wherever stepahead's CPU kernels build: some 65 bytes a node instead of some 270, and no Python per
+token. This one, of Python objects, is the fallback where they do not (no AVX2 CPU or no compiler, or
+STEPAHEAD_DISABLE_CPU_KERNELS set), and the reference: tests/worker/spec/test_suffix_tree.py checks
+both against brute force. Both follow `SuffixIndex`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 NO_TOKEN = -1
+
+# A sequence's frontier: the trie's own handles to its nodes (SuffixNode objects here, node indices in
+# C++), valid for that trie only, and in the shared trie only until it next changes.
+Frontier = list[Any]
 
 
 class SuffixNode:
@@ -45,7 +57,34 @@ class Draft:
     match_len: int = 0
 
 
+class SuffixIndex(Protocol):
+    """What the proposer calls on a trie, in Python (SuffixTrie) or in C++ (cpu_suffix_trie.NativeSuffixTrie)."""
+
+    @property
+    def max_depth(self) -> int: ...
+
+    @property
+    def num_nodes(self) -> int: ...
+
+    def extend(self, frontier: Frontier, tokens: Sequence[int]) -> Frontier: ...
+
+    def retract(self, tokens: Sequence[int]) -> None: ...
+
+    def match(self, frontier: Frontier, tokens: Sequence[int]) -> Frontier: ...
+
+    def match_tokens(self, tokens: Sequence[int]) -> Frontier: ...
+
+    def draft(self, frontier: Frontier, max_tokens: int, max_spec_factor: float, min_token_prob: float,
+              open_frontier: bool) -> Draft: ...
+
+    def count(self, node: Any) -> int: ...
+
+    def substring_counts(self) -> dict[tuple[int, ...], int]: ...
+
+
 class SuffixTrie:
+    """The trie of Python objects: the fallback and the reference (the module's docstring says when)."""
+
     def __init__(self, max_depth: int) -> None:
         if max_depth < 1:
             raise ValueError(f"suffix trie max_depth must be >= 1, got {max_depth}")
@@ -53,14 +92,17 @@ class SuffixTrie:
         self.root = SuffixNode()
         self.num_nodes = 0
 
-    def extend(self, frontier: list[SuffixNode], token: int) -> list[SuffixNode]:
-        """Index `token` appended to the sequence whose frontier is given; returns the new frontier."""
-        new = [self._add(self.root, token)]
-        for node in frontier[:self.max_depth - 1]:
-            new.append(self._add(node, token))
-        return new
+    def extend(self, frontier: Frontier, tokens: Sequence[int]) -> Frontier:
+        """Index `tokens` appended to the sequence whose frontier is given (empty: a new sequence);
+        returns its new frontier."""
+        for token in tokens:
+            new = [self._add(self.root, token)]
+            for node in frontier[:self.max_depth - 1]:
+                new.append(self._add(node, token))
+            frontier = new
+        return frontier
 
-    def retract(self, tokens: list[int]) -> None:
+    def retract(self, tokens: Sequence[int]) -> None:
         """Remove a sequence indexed earlier (its substrings' counts drop; nodes left at 0 go)."""
         frontier: list[SuffixNode] = []
         for token in tokens:
@@ -69,29 +111,32 @@ class SuffixTrie:
                 new.append(self._remove(node, token))
             frontier = new
 
-    def match(self, frontier: list[SuffixNode], token: int) -> list[SuffixNode]:
-        """The frontier of a sequence that is not indexed here, after `token`: the nodes of its suffixes
+    def match(self, frontier: Frontier, tokens: Sequence[int]) -> Frontier:
+        """The frontier of a sequence that is not indexed here, after `tokens`: the nodes of its suffixes
         found in the trie (lengths 1..m), creating nothing."""
-        children = self.root.children
-        first = children.get(token) if children else None
-        if first is None:
-            return []
-        new = [first]
-        for node in frontier[:self.max_depth - 1]:
-            child = node.children.get(token) if node.children else None
-            if child is None:
-                break
-            new.append(child)
-        return new
-
-    def match_tokens(self, tokens: list[int]) -> list[SuffixNode]:
-        """The matched frontier of the last max_depth tokens, from scratch."""
-        frontier: list[SuffixNode] = []
-        for token in tokens[-self.max_depth:]:
-            frontier = self.match(frontier, token)
+        for token in tokens:
+            frontier = self._match_one(frontier, token)
         return frontier
 
-    def draft(self, frontier: list[SuffixNode], max_tokens: int, max_spec_factor: float, min_token_prob: float,
+    def match_tokens(self, tokens: Sequence[int]) -> Frontier:
+        """The matched frontier of the last max_depth tokens, from scratch."""
+        return self.match([], tokens[-self.max_depth:])
+
+    def count(self, node: SuffixNode) -> int:
+        return node.count
+
+    def substring_counts(self) -> dict[tuple[int, ...], int]:
+        """Every indexed substring with its count, for checks."""
+        counts: dict[tuple[int, ...], int] = {}
+        stack: list[tuple[tuple[int, ...], SuffixNode]] = [((), self.root)]
+        while stack:
+            path, node = stack.pop()
+            for token, child in (node.children or {}).items():
+                counts[path + (token,)] = child.count
+                stack.append((path + (token,), child))
+        return counts
+
+    def draft(self, frontier: Frontier, max_tokens: int, max_spec_factor: float, min_token_prob: float,
               open_frontier: bool) -> Draft:
         """The likeliest continuation of the sequence whose (matched) frontier is given, over every match
         length: from the node of its last L tokens, follow the most frequent child while the product of
@@ -129,6 +174,19 @@ class SuffixTrie:
             if score > best.score:
                 best = Draft(tokens, score, length)
         return best
+
+    def _match_one(self, frontier: Frontier, token: int) -> Frontier:
+        children = self.root.children
+        first = children.get(token) if children else None
+        if first is None:
+            return []
+        new = [first]
+        for node in frontier[:self.max_depth - 1]:
+            child = node.children.get(token) if node.children else None
+            if child is None:
+                break
+            new.append(child)
+        return new
 
     def _add(self, parent: SuffixNode, token: int) -> SuffixNode:
         if parent.children is None:

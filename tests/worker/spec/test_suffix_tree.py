@@ -1,13 +1,22 @@
-"""The suffix trie against brute force over random sequences: its counts, its matches and its drafts."""
+"""The suffix trie against brute force over random sequences: its counts, its matches and its drafts,
+in both implementations (Python's, and C++'s where the CPU kernels build)."""
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stepahead.worker.spec.suffix_tree import SuffixNode, SuffixTrie
+from stepahead.kernels import cpu_build
+from stepahead.kernels.cpu_suffix_trie import NativeSuffixTrie
+from stepahead.worker.spec.suffix_tree import Frontier, SuffixIndex, SuffixTrie
+
+needs_kernels = pytest.mark.skipif(not cpu_build.machine_can_build(), reason="needs an AVX2 CPU and a C++ compiler")
+TRIES = pytest.mark.parametrize("make_trie", [SuffixTrie, pytest.param(NativeSuffixTrie, marks=needs_kernels)],
+                                ids=["python", "cpp"])
 
 sequences_st = st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=30), min_size=1, max_size=4)
 
@@ -21,22 +30,11 @@ def _substring_counts(sequences: list[list[int]], max_depth: int) -> Counter:
     return counts
 
 
-def _trie_counts(trie: SuffixTrie) -> Counter:
-    counts: Counter = Counter()
-    stack: list[tuple[tuple[int, ...], SuffixNode]] = [((), trie.root)]
-    while stack:
-        path, node = stack.pop()
-        for token, child in (node.children or {}).items():
-            assert child.count > 0
-            counts[path + (token,)] = child.count
-            stack.append((path + (token,), child))
-    return counts
-
-
-def _index(trie: SuffixTrie, seq: list[int]) -> list[SuffixNode]:
-    frontier: list[SuffixNode] = []
+def _index(trie: SuffixIndex, seq: list[int]) -> Frontier:
+    """Index seq a token at a time, as the proposer does step by step."""
+    frontier: Frontier = []
     for token in seq:
-        frontier = trie.extend(frontier, token)
+        frontier = trie.extend(frontier, [token])
     return frontier
 
 
@@ -73,15 +71,19 @@ def _reference_draft(counts: Counter, context: list[int], own: bool, depth: int,
 @settings(max_examples=200, deadline=None)
 @given(sequences=sequences_st, depth=st.integers(2, 8), k=st.integers(1, 6),
        factor=st.sampled_from([0.5, 1.0, 2.0]), min_prob=st.sampled_from([0.0, 0.1, 0.4]))
-def test_own_trie_counts_and_drafts(sequences, depth, k, factor, min_prob):
+@TRIES
+def test_own_trie_counts_and_drafts(make_trie: Callable[[int], SuffixIndex], sequences, depth, k, factor, min_prob):
     """The request's own trie: every sequence indexed, the last one is the context (its end open)."""
-    trie = SuffixTrie(depth)
+    trie = make_trie(depth)
     for seq in sequences[:-1]:
         _index(trie, seq)
     frontier = _index(trie, sequences[-1])
     counts = _substring_counts(sequences, depth)
-    assert _trie_counts(trie) == +counts
+    assert trie.substring_counts() == +counts
     assert trie.num_nodes == len(+counts)
+    trie.extend([], sequences[-1])  # the whole sequence in one call: as one token at a time
+    assert trie.substring_counts() == +(counts + _substring_counts([sequences[-1]], depth))
+    trie.retract(sequences[-1])  # back to before (most frequent children rescanned)
     draft = trie.draft(frontier, k, factor, min_prob, open_frontier=True)
     tokens, score = _reference_draft(counts, sequences[-1], True, depth, k, factor, min_prob)
     assert draft.tokens == tokens
@@ -91,10 +93,13 @@ def test_own_trie_counts_and_drafts(sequences, depth, k, factor, min_prob):
 @settings(max_examples=200, deadline=None)
 @given(sequences=sequences_st, retracted=st.sets(st.integers(0, 3)), context=st.lists(st.integers(0, 3), max_size=20),
        depth=st.integers(2, 8), k=st.integers(1, 6), min_prob=st.sampled_from([0.0, 0.1, 0.4]))
-def test_shared_trie_retracts_and_matches(sequences, retracted, context, depth, k, min_prob):
-    """The shared trie: sequences added then some removed (counts and most frequent children follow);
-    a context that is not indexed matches its suffixes found there, incrementally or from scratch."""
-    trie = SuffixTrie(depth)
+@TRIES
+def test_shared_trie_retracts_and_matches(make_trie: Callable[[int], SuffixIndex], sequences, retracted, context,
+                                          depth, k, min_prob):
+    """The shared trie: sequences added then some removed (counts and most frequent children follow),
+    then added again (removed nodes reused); a context that is not indexed matches its suffixes found
+    there, incrementally or from scratch."""
+    trie = make_trie(depth)
     for seq in sequences:
         _index(trie, seq)
     kept = [seq for i, seq in enumerate(sequences) if i not in retracted]
@@ -102,23 +107,30 @@ def test_shared_trie_retracts_and_matches(sequences, retracted, context, depth, 
         if i < len(sequences):
             trie.retract(sequences[i])
     counts = _substring_counts(kept, depth)
-    assert _trie_counts(trie) == +counts
+    assert trie.substring_counts() == +counts
     assert trie.num_nodes == len(+counts)
-    matched: list[SuffixNode] = []
+    for i in sorted(retracted)[:1]:
+        if i < len(sequences):
+            trie.extend([], sequences[i])
+            trie.retract(sequences[i])
+            assert trie.substring_counts() == +counts
+    matched: Frontier = []
     for token in context:
-        matched = trie.match(matched, token)
+        matched = trie.match(matched, [token])
     found = [length for length in range(1, min(len(context), depth) + 1) if counts[tuple(context[-length:])]]
     assert len(matched) == len(found) and found == list(range(1, len(found) + 1))
-    assert [node.count for node in matched] == [counts[tuple(context[-n:])] for n in found]
-    assert [node.count for node in trie.match_tokens(context)] == [node.count for node in matched]
+    assert [trie.count(node) for node in matched] == [counts[tuple(context[-n:])] for n in found]
+    assert [trie.count(node) for node in trie.match_tokens(context)] == [trie.count(node) for node in matched]
+    assert trie.match([], context) == trie.match_tokens(context)
     draft = trie.draft(matched, k, 1.0, min_prob, open_frontier=False)
     tokens, score = _reference_draft(counts, context, False, depth, k, 1.0, min_prob)
     assert (draft.tokens, round(draft.score, 9)) == (tokens, round(score, 9))
 
 
-def test_a_longer_match_drafts_longer():
+@TRIES
+def test_a_longer_match_drafts_longer(make_trie: Callable[[int], SuffixIndex]):
     """max_spec_factor x match length caps the draft: a 2-token match drafts 2 tokens at factor 1."""
-    trie = SuffixTrie(16)
+    trie = make_trie(16)
     _index(trie, [5, 6, 7, 8, 9, 10, 11])
     context = [1, 6, 7]
     matched = trie.match_tokens(context)
@@ -128,11 +140,64 @@ def test_a_longer_match_drafts_longer():
     assert trie.draft(matched, 3, 2.0, 0.1, open_frontier=False).tokens == [8, 9, 10]
 
 
-def test_unlikely_continuations_are_cut():
+@TRIES
+def test_unlikely_continuations_are_cut(make_trie: Callable[[int], SuffixIndex]):
     """After [1, 2] came 3 three times and 4 once: 3 has probability 0.75; 0.8 cuts it."""
-    trie = SuffixTrie(8)
+    trie = make_trie(8)
     for tail in (3, 3, 3, 4):
         _index(trie, [1, 2, tail])
     matched = trie.match_tokens([1, 2])
     assert trie.draft(matched, 4, 1.0, 0.7, open_frontier=False).tokens == [3]
     assert trie.draft(matched, 4, 1.0, 0.8, open_frontier=False).tokens == []
+
+
+@TRIES
+def test_bad_input_is_named(make_trie: Callable[[int], SuffixIndex]):
+    with pytest.raises(ValueError, match="max_depth must be >= 1"):
+        make_trie(0)
+
+
+@needs_kernels
+def test_the_cpp_trie_refuses_a_frontier_it_does_not_hold():
+    """A node index that is not a live node of the trie (another trie's, or one removed since) is a
+    ValueError, not a read of whatever the slot holds now; so are token ids C++ cannot hold."""
+    trie = NativeSuffixTrie(4)
+    other = NativeSuffixTrie(4)
+    frontier = other.extend([], list(range(10)))
+    with pytest.raises(ValueError, match="not a live node"):
+        trie.extend(frontier, [1])
+    trie.extend([], [1, 2, 3])
+    stale = trie.match_tokens([1, 2])
+    trie.retract([1, 2, 3])
+    with pytest.raises(ValueError, match="not a live node"):
+        trie.draft(stale, 4, 1.0, 0.1, open_frontier=False)
+    with pytest.raises(ValueError, match="more than max_depth"):
+        trie.match([5] * 5, [1])
+    with pytest.raises(ValueError, match="token ids"):
+        trie.extend([], [2**31])
+    with pytest.raises(ValueError, match="token ids"):
+        trie.extend([], [-1])
+
+
+@needs_kernels
+def test_cpp_and_python_tries_agree_on_long_text():
+    """A prompt of a few thousand tokens over a small vocabulary (deep, branching tries), outputs added
+    and removed: the same counts, and the same draft after every token of a context."""
+    import random
+
+    rng = random.Random(0)
+    prompt = [rng.randrange(40) for _ in range(3000)]
+    outputs = [[rng.randrange(40) for _ in range(300)] for _ in range(5)]
+    python, native = SuffixTrie(24), NativeSuffixTrie(24)
+    for trie in (python, native):
+        for output in outputs:
+            trie.extend([], output)
+        trie.retract(outputs[1])
+        trie.retract(outputs[3])
+        trie.extend([], prompt)
+    assert native.num_nodes == python.num_nodes
+    assert native.substring_counts() == python.substring_counts()
+    matched: tuple[Frontier, Frontier] = ([], [])
+    for token in prompt[:400]:
+        matched = (python.match(matched[0], [token]), native.match(matched[1], [token]))
+        assert python.draft(matched[0], 8, 1.0, 0.1, False) == native.draft(matched[1], 8, 1.0, 0.1, False)
