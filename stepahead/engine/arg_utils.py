@@ -128,11 +128,13 @@ class EngineArgs:
                     self.distributed_executor_backend, "must be one of mp, ray, uni")
         world_size = self.parallel_config().world_size
         if self.speculative_config is not None:
-            SpeculativeConfig.from_user(self.speculative_config)  # refuses what the worker cannot run
-            # The other ranks would need each step's drafts and accepted counts, which only the sampler has.
-            check_field(world_size == 1, "speculative_config", self.speculative_config,
-                        f"runs on one worker rank; tensor_parallel_size={self.tensor_parallel_size} x "
-                        f"pipeline_parallel_size={self.pipeline_parallel_size} is not supported with it")
+            spec = SpeculativeConfig.from_user(self.speculative_config)  # refuses what the worker cannot run
+            # The sampler rank proposes and sends each step's outcome to the others (worker/sampled_feed.py);
+            # a draft model would have to run sharded on every tensor rank of a stage, which it does not.
+            check_field(world_size == 1 or spec.method != "draft_model", "speculative_config", self.speculative_config,
+                        f"method draft_model runs on one worker rank; tensor_parallel_size={self.tensor_parallel_size}"
+                        f" x pipeline_parallel_size={self.pipeline_parallel_size} is not supported with it (the "
+                        f"ngram and suffix methods are)")
         check_field(world_size == 1 or self.resolve_executor() != "uni", "distributed_executor_backend",
                     "uni", f"runs one worker in the engine process; tensor_parallel_size={self.tensor_parallel_size} x "
                            f"pipeline_parallel_size={self.pipeline_parallel_size} ranks need mp or ray")

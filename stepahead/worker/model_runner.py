@@ -42,6 +42,7 @@ from stepahead.worker.sampled_feed import SampledTokenFeed
 from stepahead.worker.sampler import SamplerOutput, apply_bitmask, logprobs_to_host, sample
 from stepahead.worker.sampling_metadata import RowSampling, SamplingMetadata
 from stepahead.worker.spec.spec_decoder import SpecDecoder, make_proposer
+from stepahead.worker.spec.step_outcome import encode_outcomes
 from stepahead.worker.staging import StagingBuffer
 
 logger = logging.getLogger(__name__)
@@ -130,8 +131,8 @@ class ModelRunner:
         if sched_config.num_speculative_tokens and spec_config is None:  # drafts nothing here would propose
             raise ValueError(f"num_speculative_tokens must be 0 without a speculative_config, got "
                              f"{sched_config.num_speculative_tokens}")
-        if spec_config is not None and ps.world_size > 1:
-            raise ValueError(f"speculative_config runs on one worker rank, not {ps.world_size}")
+        if spec_config is not None and spec_config.method == "draft_model" and ps.world_size > 1:
+            raise ValueError(f"speculative_config method draft_model runs on one worker rank, not {ps.world_size}")
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(model_config.seed)
@@ -140,8 +141,10 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         self.model = load_model(model_config, config.device, ps)
         # Drafts proposed here after sampling and verified in the next forward pass (worker/spec/); a
-        # draft model loads here, before the KV pool is sized around both models.
-        self.spec = SpecDecoder(spec_config, make_proposer(config)) if spec_config is not None else None
+        # draft model loads here, before the KV pool is sized around both models. Only the sampler rank
+        # proposes: the others take its drafts with each step's outcome (worker/sampled_feed.py).
+        self.spec = None if spec_config is None else \
+            SpecDecoder(spec_config, make_proposer(config) if ps.is_sampler else None)
         if onednn_linear.available(self.device, self.dtype):
             self.model.use_onednn()
         if self.device.type == "cuda" and config.attention_backend == "triton":
@@ -193,7 +196,8 @@ class ModelRunner:
         self.async_output = config.async_output and ps.world_size == 1 and self.spec is None
         self._unresolved: list[AsyncModelRunnerOutput] = []
         # Ranks but one: the sampler's tokens arrive by broadcast (worker/sampled_feed.py).
-        self.feed = SampledTokenFeed(ps, self.device) if ps.world_size > 1 else None
+        self.feed = SampledTokenFeed(ps, self.device, sched_config.num_speculative_tokens) \
+            if ps.world_size > 1 else None
         self._recv_hidden: torch.Tensor | None = None  # a later stage's input from the stage before
         if not ps.is_first_stage:
             self._recv_hidden = torch.empty(sched_config.max_num_batched_tokens, self.model.args.hidden_size,
@@ -513,7 +517,8 @@ class ModelRunner:
         if self.feed is not None and not self.ps.is_sampler:
             if self.ps.is_last_stage:
                 self.model.compute_logits(step.hidden)  # its part of the tensor ranks' all-gather
-            self.feed.expect(states, [step.req_ids[b] for b in step.sample_rows])
+            num_drafts = None if step.sample_drafts is None else [len(d) for d in step.sample_drafts]
+            self.feed.expect(states, [step.req_ids[b] for b in step.sample_rows], num_drafts)
             out = ModelRunnerOutput.empty()
             if self.config.trace and self.ps.tp_rank == 0:  # the stage's lane (the executor forwards it)
                 out.trace_events = step.events
@@ -580,6 +585,9 @@ class ModelRunner:
         verified = self.spec.sample_and_verify(logits, rows, step.sample_drafts,
                                                [state.draft.verifying_probs for state in states], max_accepted)
         proposals = self.spec.propose(states, step.sample_drafts, verified)
+        if self.feed is not None:  # the other ranks keep every request's tokens and drafts as this one
+            self.feed.send(encode_outcomes(verified.tokens, [state.draft.drafts for state in states],
+                                           self.spec.num_speculative_tokens).to(self.device))
         self.prev_req_id_to_row = {}  # nothing to substitute on the device: the host holds every token
         out = self._account(self.spec.to_output(step.req_ids, step.sample_rows, verified, proposals), step, t0,
                             time.monotonic())

@@ -291,8 +291,13 @@ def test_speculative_config_refuses_what_the_worker_cannot_run():
         EngineArgs(speculative_config='{"method": "draft_model", "num_speculative_tokens": 4}')
     with pytest.raises(ValueError, match="speculative_config.model must name .* only for it, got .x."):
         EngineArgs(speculative_config='{"method": "ngram", "num_speculative_tokens": 4, "model": "x"}')
-    with pytest.raises(ValueError, match="speculative_config runs on one worker rank"):
-        EngineArgs(speculative_config='{"method": "ngram", "num_speculative_tokens": 4}', tensor_parallel_size=2)
+    # Host-side proposers run on the sampler rank of any layout; a draft model only at one rank.
+    EngineArgs(speculative_config='{"method": "ngram", "num_speculative_tokens": 4}', tensor_parallel_size=2)
+    EngineArgs(speculative_config='{"method": "suffix", "num_speculative_tokens": 4}', pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="method draft_model runs on one worker rank; tensor_parallel_size=2 x "
+                                         "pipeline_parallel_size=1 is not supported with it"):
+        EngineArgs(speculative_config='{"method": "draft_model", "num_speculative_tokens": 4, "model": "x"}',
+                   tensor_parallel_size=2)
     with pytest.raises(ValueError, match="prompt_lookup_max must be an int >= prompt_lookup_min"):
         SpeculativeConfig.from_user({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 3,
                                      "prompt_lookup_max": 2})

@@ -82,9 +82,11 @@ def test_a_draft_with_another_vocabulary_is_refused(tied, tmp_path):
 def test_draft_model_needs_its_checkpoint_and_one_rank(tied, small_draft):
     with pytest.raises(ValueError, match="speculative_config.model"):
         LLM(str(tied), executor="uni", speculative_config={"method": "draft_model", "num_speculative_tokens": 2})
-    with pytest.raises(ValueError, match="tensor_parallel_size=2 x pipeline_parallel_size=1 is not supported"):
+    with pytest.raises(ValueError, match="draft_model runs on one worker rank; tensor_parallel_size=2 x "
+                                         "pipeline_parallel_size=1 is not supported"):
         LLM(str(tied), tensor_parallel_size=2, speculative_config=_draft_config(small_draft))
-    with pytest.raises(ValueError, match="tensor_parallel_size=1 x pipeline_parallel_size=2 is not supported"):
+    with pytest.raises(ValueError, match="draft_model runs on one worker rank; tensor_parallel_size=1 x "
+                                         "pipeline_parallel_size=2 is not supported"):
         LLM(str(tied), pipeline_parallel_size=2, speculative_config=_draft_config(small_draft))
 
 

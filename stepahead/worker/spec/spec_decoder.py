@@ -28,6 +28,7 @@ from stepahead.worker.spec.draft_model_proposer import DraftModelProposer
 from stepahead.worker.spec.ngram_proposer import NgramProposer
 from stepahead.worker.spec.proposer import PerRequestProposer, Proposer
 from stepahead.worker.spec.rejection_sampler import accept_drafts, rejection_sample
+from stepahead.worker.spec.step_outcome import take_verified
 from stepahead.worker.spec.suffix_proposer import SuffixProposer
 
 
@@ -82,9 +83,13 @@ def make_proposer(config: EngineConfig) -> Proposer:
 
 
 class SpecDecoder:
-    """Owns the proposer; the per-request drafting state lives in each CachedRequestState.draft."""
+    """Owns the proposer; the per-request drafting state lives in each CachedRequestState.draft.
 
-    def __init__(self, spec: SpeculativeConfig, proposer: Proposer) -> None:
+    proposer None: a rank that does not sample (tensor or pipeline parallelism). It lays out the drafts
+    the sampler rank proposed, which reach it with each step's outcome (sampled_feed.py), and neither
+    verifies nor proposes."""
+
+    def __init__(self, spec: SpeculativeConfig, proposer: Proposer | None) -> None:
         self.num_speculative_tokens = spec.num_speculative_tokens
         self.disable_by_batch_size = spec.disable_by_batch_size
         self.proposer = proposer
@@ -96,10 +101,11 @@ class SpecDecoder:
             self.cost.record(rows, seconds)
 
     def kv_bytes_per_token(self) -> int:
-        return self.proposer.kv_bytes_per_token()
+        return self.proposer.kv_bytes_per_token() if self.proposer is not None else 0
 
     def allocate_kv(self, num_blocks: int) -> None:
-        self.proposer.allocate_kv(num_blocks)
+        if self.proposer is not None:
+            self.proposer.allocate_kv(num_blocks)
 
     def step_drafts(self, state: CachedRequestState, scheduled: list[int] | None) -> list[int]:
         """The drafts a step verifies after the request's last known token: the ids the synchronous
@@ -199,13 +205,14 @@ class SpecDecoder:
                 step: VerifiedStep) -> Proposals:
         """Append each request's verified tokens, give back its rejected positions, and propose its
         next drafts (a grammar request's too: the scheduler's bitmask masks every draft position)."""
+        if self.proposer is None:
+            raise RuntimeError("only the sampler rank proposes drafts")
         # A batch this large drafts nothing (speculative_config.disable_by_batch_size).
         k = self.num_speculative_tokens if self.disable_by_batch_size is None or \
             len(states) < self.disable_by_batch_size else 0
         asking, max_drafts = [], []
         for state, row_drafts, tokens in zip(states, drafts, step.tokens, strict=True):
-            state.token_ids.extend(tokens)
-            state.num_computed_tokens -= len(row_drafts) - (len(tokens) - 1)
+            take_verified(state, len(row_drafts), tokens)
             track = state.draft
             track.note_verified(len(tokens) - 1)
             track.drafts, track.probs = [], None
@@ -232,7 +239,8 @@ class SpecDecoder:
 
     def finish(self, state: CachedRequestState) -> None:
         """The request finished (the suffix proposer keeps its output for the requests that follow)."""
-        self.proposer.finish(state)
+        if self.proposer is not None:
+            self.proposer.finish(state)
 
     @staticmethod
     def to_output(req_ids: list[str], sample_rows: list[int], step: VerifiedStep,
