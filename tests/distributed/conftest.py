@@ -38,3 +38,12 @@ def single_rank_tokens(tiny_llama, tiny_qwen3):
         with LLM(str(folder), executor="uni", max_model_len=MAX_MODEL_LEN) as llm:
             out[arch] = (token_ids(llm, GREEDY), token_ids(llm, SEEDED))
     return out
+
+
+@pytest.fixture(scope="module")
+def local_ray_cluster():
+    """A local Ray cluster for the module's tests (skipped where ray is not installed)."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()

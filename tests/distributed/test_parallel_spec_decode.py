@@ -71,3 +71,14 @@ def test_parallel_drafts_give_the_plain_tokens(tied, one_rank_plain, name):
     assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
     if "preempt" in name:
         assert stats.preemptions > 0
+
+
+def test_ray_ranks_share_the_drafts(local_ray_cluster, tied, one_rank_plain):
+    """The Ray executor hosts the same runner: its sampler's outcomes reach the other actor."""
+    _, penalized, _ = one_rank_plain
+    with LLM(str(tied), max_model_len=MAX_MODEL_LEN, tensor_parallel_size=2, distributed_executor_backend="ray",
+             speculative_config=SUFFIX) as llm:
+        assert llm.config.executor == "ray"
+        assert _tokens(llm, PENALIZED) == penalized
+        assert _tokens(llm, PENALIZED) == penalized  # drafted from the first run's outputs
+        assert llm.stats().spec_num_accepted_tokens > 0

@@ -8,14 +8,7 @@ from stepahead import LLM
 from tests.distributed.conftest import GREEDY, MAX_MODEL_LEN, SEEDED, token_ids
 from tests.distributed.procs import wait_gone
 
-ray = pytest.importorskip("ray")
-
-
-@pytest.fixture(scope="module")
-def local_ray_cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+pytest.importorskip("ray")
 
 
 def test_ray_tensor_parallel_equals_one_rank(local_ray_cluster, tiny_llama, single_rank_tokens):
