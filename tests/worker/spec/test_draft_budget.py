@@ -26,7 +26,7 @@ def test_the_fit_recovers_a_rows_cost_and_waits_for_steps_of_different_sizes():
 
 
 def _throughput(chances: list[float], counts: list[int], plain_rows: int, cost: StepCost) -> float:
-    tokens = plain_rows + sum(sum(p ** j for j in range(1, n + 1)) for p, n in zip(chances, counts))
+    tokens = plain_rows + sum(sum(p ** j for j in range(1, n + 1)) for p, n in zip(chances, counts, strict=True))
     return tokens / (cost.base + cost.per_row * (plain_rows + sum(counts)))
 
 
