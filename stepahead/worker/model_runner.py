@@ -41,7 +41,7 @@ from stepahead.worker.row_failures import RowsApart, sample_rows_apart
 from stepahead.worker.sampled_feed import SampledTokenFeed
 from stepahead.worker.sampler import SamplerOutput, apply_bitmask, logprobs_to_host, sample
 from stepahead.worker.sampling_metadata import RowSampling, SamplingMetadata
-from stepahead.worker.spec.spec_decoder import SpecDecoder, make_proposer
+from stepahead.worker.spec.spec_decoder import SpecDecoder, first_positions, make_proposer
 from stepahead.worker.spec.step_outcome import encode_outcomes
 from stepahead.worker.staging import StagingBuffer
 
@@ -483,8 +483,7 @@ class ModelRunner:
         sampling row with drafts, how many of its drafts may be accepted: those the scheduler's rows
         followed and this step verifies alike (a position past them has no exact mask)."""
         drafts = step.sample_drafts
-        first = range(len(step.sample_rows)) if drafts is None else \
-            np.cumsum([0] + [1 + len(d) for d in drafts[:-1]]).tolist()
+        first = range(len(step.sample_rows)) if drafts is None else first_positions(drafts)
         sample_index = {step.req_ids[b]: i for i, b in enumerate(step.sample_rows)}
         followed = grammar_output.draft_token_ids
         positions: list[int] = []

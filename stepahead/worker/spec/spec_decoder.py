@@ -62,6 +62,12 @@ def expand_rows(rows: list[RowSampling], drafts: list[list[int]]) -> list[RowSam
     return expanded
 
 
+def first_positions(drafts: list[list[int]]) -> list[int]:
+    """Each request's first position among a step's sampled ones (1 + its drafts each, request after
+    request), then the step's count of them."""
+    return np.cumsum([0] + [1 + len(d) for d in drafts]).tolist()
+
+
 def ngram_proposer(spec: SpeculativeConfig, max_model_len: int) -> Proposer:
     ngram = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min or 1, spec.prompt_lookup_max or 1,
                           max_model_len)
@@ -164,15 +170,14 @@ class SpecDecoder:
         step = VerifiedStep(accept_drafts(drafts, targets, max_accepted))
         if draft_probs is not None and md is not None:
             self._verify_drawn_drafts(step, logits, md, rows, drafts, draft_probs, max_accepted or {})
-        first = 0
+        first = first_positions(drafts)
         for i, (row_drafts, tokens) in enumerate(zip(drafts, step.tokens, strict=True)):
-            positions = range(first, first + len(row_drafts) + 1)
+            positions = range(first[i], first[i] + len(row_drafts) + 1)
             reasons = [failed_positions[p] for p in positions if p in failed_positions]
             if reasons:
                 step.failed[i] = reasons[0]
-            if first in row_logprobs:
-                step.logprobs[i] = [row_logprobs[first + j] for j in range(len(tokens))]
-            first += len(row_drafts) + 1
+            if first[i] in row_logprobs:
+                step.logprobs[i] = [row_logprobs[first[i] + j] for j in range(len(tokens))]
         return step
 
     @staticmethod
@@ -186,7 +191,7 @@ class SpecDecoder:
                    and rows[i].params.logprobs is None and not rows[i].params.is_greedy]
         if not general:
             return
-        first = np.cumsum([0] + [1 + len(d) for d in drafts]).tolist()
+        first = first_positions(drafts)
         positions = [first[i] + j for i in general for j in range(1 + len(drafts[i]))]
         p = sampling_probs(logits, md).index_select(0, torch.tensor(positions, device=logits.device))
         q = torch.cat([draft_probs[i] for i in general])  # type: ignore[misc]
