@@ -57,7 +57,9 @@ constexpr int kWarmLinesPerBlock = 64;
 // One group of 32 inputs of a column block, as the tile unit reads it (see the top of the file). B_high
 // is B_low one byte later in memory (each code moves from a lane's low byte to its high byte, and a
 // lane's zero high byte fills the next lane's low one): the tile unit loads it from low - 1, the byte
-// before `low` zero.
+// before `low` zero. Each of those rows straddles two cache lines, but an aligned copy of B_high was
+// slower: it doubles the expanded groups' bytes, which then no longer stay in L1 beside the
+// activations' tiles (docs/BENCHMARKS.md, section 14.4).
 struct ExpandedGroup {
   alignas(64) float scales[16];  // per column: the float16 scale widened, or a k-quant's d * sc
   float mins[16];                // per column: the float16 min widened, or -dmin * m (unused for Q8)
@@ -229,7 +231,7 @@ STEPAHEAD_AMX_TARGET void expand(const PackedWeight& w, int64_t t, int64_t count
 
 // The 16 rows of a block, one X(r) each: the accumulators are 16 named variables, because an array of
 // them (even indexed only in unrolled loops) stays on the stack, and every group then loads and stores
-// each row's accumulator (12% of a call's time, docs/BENCHMARKS.md, section 14.4).
+// each row's accumulator (up to a tenth of a call's time, docs/BENCHMARKS.md, section 14.4).
 #define STEPAHEAD_AMX_ROWS(X) \
   X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)
 #define STEPAHEAD_AMX_ZERO(R) __m512 acc##R = _mm512_setzero_ps();
@@ -246,7 +248,10 @@ STEPAHEAD_AMX_TARGET void expand(const PackedWeight& w, int64_t t, int64_t count
 
 // Rows row0 .. row0 + 16 by the block's 16 columns, group after group; then as packed_gemm.cpp's store.
 // The tile unit computes group g + 1's integer sums (even and odd groups on their own tiles and
-// buffers, which stay in L1) while the vector unit scales group g's.
+// buffers, which stay in L1) while the vector unit scales group g's. Measured, the two overlap little
+// (a unit costs about the tile work alone plus the vector work alone, docs/BENCHMARKS.md, section
+// 14.4). Two 16-row blocks per pass sharing one load of the B tiles (all eight tiles) were slower: 32
+// accumulators do not fit the 32 vector registers.
 template <typename F>
 STEPAHEAD_AMX_TARGET void rows16(const PackedWeight& w, const QuantizedRows& xq, int64_t row0, int64_t t,
                                  int64_t count, const ExpandedGroup* expanded, const Output& out) {
