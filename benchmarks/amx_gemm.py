@@ -4,6 +4,11 @@ The choice is made once per process, so an A/B alternates processes:
 
     for i in 1 2 3; do for isa in amx_int8 avx512_vnni; do
       STEPAHEAD_MAX_CPU_ISA=$isa python benchmarks/amx_gemm.py --threads 1; done; done
+
+--weights N calls N distinct weights of each shape in turn (a model's layers: the weights come from
+memory, not the cache) and reports the mean per call; --cpu-time times calls by the process's CPU time
+instead of the wall clock, so that time spent off the core on a shared machine does not count (with
+one thread, the call's own time).
 """
 
 from __future__ import annotations
@@ -27,23 +32,32 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rows", type=int, nargs="+", default=[16, 32, 64, 2048])
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
+    parser.add_argument("--weights", type=int, default=1, help="distinct weights per shape, called in turn")
+    parser.add_argument("--cpu-time", action="store_true", help="the process's CPU time, not the wall clock")
     args = parser.parse_args()
+    if args.weights < 1:
+        parser.error(f"--weights must be at least 1, got {args.weights}")
+    clock = time.process_time if args.cpu_time else time.perf_counter
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     result: dict[str, object] = {"isa": cpu_packed.instruction_set(), "threads": args.threads}
-    for name, (n, k) in SHAPES.items():
-        weight = quantize_int4(torch.randn(n, k))
-        tiles = cpu_packed.tile_q4(weight.q, weight.scales, weight.mins)
+    for name in args.shapes:
+        n, k = SHAPES[name]
+        weights = [quantize_int4(torch.randn(n, k)) for _ in range(args.weights)]
+        tiles = [cpu_packed.tile_q4(weight.q, weight.scales, weight.mins) for weight in weights]
         for rows in args.rows:
             if name == "head" and rows > 64:
                 continue  # a prefill computes the head for its last tokens only
             x = torch.randn(rows, k)
-            cpu_packed.packed_gemm(x, tiles, n)  # warm: the codes expanded, the caches filled
+            for t in tiles:
+                cpu_packed.packed_gemm(x, t, n)  # warm: the pages touched, the threads started
             times = []
             for _ in range(args.repeats):
-                start = time.perf_counter()
-                cpu_packed.packed_gemm(x, tiles, n)
-                times.append(time.perf_counter() - start)
+                start = clock()
+                for t in tiles:
+                    cpu_packed.packed_gemm(x, t, n)
+                times.append((clock() - start) / len(tiles))
             result[f"{name}@{rows}"] = round(statistics.median(times) * 1e6, 1)
     print(json.dumps(result))
 

@@ -57,7 +57,9 @@ constexpr int kWarmLinesPerBlock = 64;
 // One group of 32 inputs of a column block, as the tile unit reads it (see the top of the file). B_high
 // is B_low one byte later in memory (each code moves from a lane's low byte to its high byte, and a
 // lane's zero high byte fills the next lane's low one): the tile unit loads it from low - 1, the byte
-// before `low` zero.
+// before `low` zero. Each of those rows straddles two cache lines, but an aligned copy of B_high was
+// slower: it doubles the expanded groups' bytes, which then no longer stay in L1 beside the
+// activations' tiles (docs/BENCHMARKS.md, section 14.4).
 struct ExpandedGroup {
   alignas(64) float scales[16];  // per column: the float16 scale widened, or a k-quant's d * sc
   float mins[16];                // per column: the float16 min widened, or -dmin * m (unused for Q8)
@@ -227,9 +229,29 @@ STEPAHEAD_AMX_TARGET void expand(const PackedWeight& w, int64_t t, int64_t count
   _tile_stored(C_LOW, (DST).low, 64);                    \
   _tile_stored(C_HIGH, (DST).high, 64);
 
+// The 16 rows of a block, one X(r) each: the accumulators are 16 named variables, because an array of
+// them (even indexed only in unrolled loops) stays on the stack, and every group then loads and stores
+// each row's accumulator (up to a tenth of a call's time, docs/BENCHMARKS.md, section 14.4).
+#define STEPAHEAD_AMX_ROWS(X) \
+  X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)
+#define STEPAHEAD_AMX_ZERO(R) __m512 acc##R = _mm512_setzero_ps();
+// Row R's sum(q * qx) = 256 * C_high + C_low, scaled into its accumulator.
+#define STEPAHEAD_AMX_SCALE(R)                                                                              \
+  {                                                                                                        \
+    const __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(c_high + 16 * (R)), 8),      \
+                                         _mm512_load_si512(c_low + 16 * (R)));                            \
+    acc##R = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(scales, _mm512_set1_ps(dx[(R) * x_groups])), \
+                             acc##R);                                                                      \
+    if constexpr (F::kHasMins) acc##R = _mm512_fmadd_ps(mins, _mm512_set1_ps(dx_sums[(R) * x_groups]), acc##R); \
+  }
+#define STEPAHEAD_AMX_KEEP(R) _mm512_store_ps(result[R], acc##R);
+
 // Rows row0 .. row0 + 16 by the block's 16 columns, group after group; then as packed_gemm.cpp's store.
 // The tile unit computes group g + 1's integer sums (even and odd groups on their own tiles and
-// buffers, which stay in L1) while the vector unit scales group g's.
+// buffers, which stay in L1) while the vector unit scales group g's. Measured, the two overlap little
+// (a unit costs about the tile work alone plus the vector work alone, docs/BENCHMARKS.md, section
+// 14.4). Two 16-row blocks per pass sharing one load of the B tiles (all eight tiles) were slower: 32
+// accumulators do not fit the 32 vector registers.
 template <typename F>
 STEPAHEAD_AMX_TARGET void rows16(const PackedWeight& w, const QuantizedRows& xq, int64_t row0, int64_t t,
                                  int64_t count, const ExpandedGroup* expanded, const Output& out) {
@@ -237,8 +259,7 @@ STEPAHEAD_AMX_TARGET void rows16(const PackedWeight& w, const QuantizedRows& xq,
   const int64_t units = w.K / kUnitInputs, x_groups = xq.row_stride / kGroup;
   const int16_t* codes = xq.codes + row0 * xq.row_stride;
   GroupSums ring[2];
-  __m512 acc[16];
-  for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+  STEPAHEAD_AMX_ROWS(STEPAHEAD_AMX_ZERO)
   STEPAHEAD_AMX_GROUP(0, ring[0], 0, 3, 4)
   for (int64_t u = 0; u < units; ++u) {
     if (u + 1 < units) {
@@ -249,29 +270,25 @@ STEPAHEAD_AMX_TARGET void rows16(const PackedWeight& w, const QuantizedRows& xq,
       }
     }
     // The tile stores are asm without memory operands: unit u's sums are read after its stores, and
-    // unit u + 2's stores come after these reads.
-    asm volatile("" ::: "memory");
+    // unit u + 2's stores come after these reads (the ring alone: a clobber of all memory would keep
+    // the row pointers below in memory too).
+    asm volatile("" : "+m"(ring));
     const int64_t g = u / F::kSubBlocks;
     const int32_t* c_low = ring[u % 2].low;
     const int32_t* c_high = ring[u % 2].high;
     const __m512 scales = _mm512_load_ps(u % F::kSubBlocks == 0 ? expanded[g].scales : expanded[g].second_scales);
     const __m512 mins = _mm512_load_ps(expanded[g].mins);
-#pragma GCC unroll 16
-    for (int r = 0; r < 16; ++r) {
-      const __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(c_high + 16 * r), 8),
-                                           _mm512_load_si512(c_low + 16 * r));
-      const int64_t x_group = (row0 + r) * x_groups + g;
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(scales, _mm512_set1_ps(xq.scales[x_group])),
-                               acc[r]);
-      if constexpr (F::kHasMins) acc[r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(xq.sums[x_group]), acc[r]);
-    }
-    asm volatile("" ::: "memory");
+    const float* dx = xq.scales + row0 * x_groups + g;  // row r's at r * x_groups
+    const float* dx_sums = xq.sums + row0 * x_groups + g;
+    STEPAHEAD_AMX_ROWS(STEPAHEAD_AMX_SCALE)
+    asm volatile("" : "+m"(ring));
   }
+  alignas(64) float result[16][16];
+  STEPAHEAD_AMX_ROWS(STEPAHEAD_AMX_KEEP)
   const int64_t n0 = t * kTileColumns, columns = std::min(count * kTileColumns, w.N - n0);
   const int64_t stride = out.stride ? out.stride : w.N;
   for (int r = 0; r < 16; ++r) {
-    alignas(64) float v[16];
-    _mm512_store_ps(v, acc[r]);
+    const float* v = result[r];
     float* y = out.y + (row0 + r) * stride + n0;
     for (int64_t i = 0; i < columns; ++i) {
       const float rounded = round_to_bf16(v[i]);
@@ -281,6 +298,10 @@ STEPAHEAD_AMX_TARGET void rows16(const PackedWeight& w, const QuantizedRows& xq,
   }
 }
 
+#undef STEPAHEAD_AMX_KEEP
+#undef STEPAHEAD_AMX_SCALE
+#undef STEPAHEAD_AMX_ZERO
+#undef STEPAHEAD_AMX_ROWS
 #undef STEPAHEAD_AMX_GROUP
 
 template <typename F>
