@@ -309,6 +309,8 @@ def test_speculative_config_refuses_what_the_worker_cannot_run():
         EngineArgs(speculative_config={"method": "eagle", "num_speculative_tokens": 4})
     with pytest.raises(ValueError, match="unknown keys"):
         SpeculativeConfig.from_user({"method": "ngram", "num_speculative_tokens": 4, "k": 1})
+    with pytest.raises(ValueError, match="speculative_config.draft_policy must be one of cost, acceptance"):
+        SpeculativeConfig.from_user({"method": "ngram", "num_speculative_tokens": 4, "draft_policy": "always"})
     with pytest.raises(ValueError, match="num_speculative_tokens must be >= 0"):
         SchedulerConfig(num_speculative_tokens=-1)
 

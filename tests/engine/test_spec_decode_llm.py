@@ -95,6 +95,30 @@ def test_ngram_gives_the_plain_tokens(tied, plain, name):
         assert stats.prefix_cache_hits > 0
 
 
+@pytest.mark.parametrize("name", ["async", "sync"])
+def test_the_cost_policy_budgets_drafts_and_gives_the_plain_tokens(tied, plain, name, monkeypatch):
+    """draft_policy "cost": the worker fits a row's cost from its own decode steps, then each step's
+    budget decides the drafts (a spy around the real allocation records it); the tokens are the plain ones."""
+    from stepahead.worker.spec import spec_decoder
+
+    budgets = []
+    allocate = spec_decoder.allocate_drafts
+
+    def recorded(chances, caps, num_plain_rows, cost):
+        counts = allocate(chances, caps, num_plain_rows, cost)
+        budgets.append((cost.base, cost.per_row, counts))
+        return counts
+
+    monkeypatch.setattr(spec_decoder, "allocate_drafts", recorded)
+    results, stats, config = _run(tied, speculative_config=NGRAM | {"draft_policy": "cost"}, **CONFIGS[name])
+    assert config.speculative_config.draft_policy == "cost"
+    for outputs, base in zip(results, plain[0], strict=True):
+        assert [tokens for tokens, _ in outputs] == [tokens for tokens, _ in base]
+    assert budgets and all(per_row >= 0 and base >= 0 for base, per_row, _ in budgets)
+    assert any(sum(counts) for _, _, counts in budgets)  # the budget drafted, and the drafts were verified
+    assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+
+
 def test_drafts_save_steps(tied, plain):
     """One request alone: accepted drafts deliver several tokens a step, so fewer steps run."""
     prompt = [{"prompt_token_ids": _prompts()[0]}]

@@ -11,10 +11,11 @@ and resets the pause. The worker asks the async scheduler for as many draft slot
 Between pauses the number of drafts follows what the request accepts: one more than the moving
 average of its accepted drafts (a step that accepted every draft counts one more than it verified,
 so a request that keeps hitting grows back to k), so positions that would be rejected are not paid for.
-Once the worker knows what a row costs, the step's draft budget decides instead (draft_budget.py),
-from `acceptance()`: the chance that a draft is accepted when the ones before it were, counted over
-the request's verified drafts (each verifying step adds its accepted drafts, and one rejection unless
-it accepted all), with old steps fading by ACCEPTANCE_DECAY a step and one of each to start from.
+With draft_policy "cost", once the worker knows what a row costs, the step's draft budget decides
+instead (draft_budget.py), from `acceptance()`: the chance that a draft is accepted when the ones
+before it were, counted over the request's verified drafts (each verifying step adds its accepted
+drafts, and one rejection unless it accepted all), with old steps fading by ACCEPTANCE_DECAY a step
+and one of each to start from.
 """
 
 from __future__ import annotations
