@@ -288,7 +288,7 @@ class Scheduler:
         if not grammar_manager.is_ready(request):
             return False
         error = grammar_manager.compile_error(request)
-        if error is not None:
+        if error is not None:  # finished here, not by fail_request: that removes it from the queue the caller walks
             logger.error("request %s: %s", request.request_id, error)
             request.status = RequestStatus.FINISHED_ERROR
             self._free_request(request)
