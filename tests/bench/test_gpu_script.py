@@ -48,10 +48,12 @@ def test_bench_script_smoke_mode_writes_json_trace_and_png(tmp_path):
     # The decode-step parts: one JSON per shape; and the whole run's log with every part's status.
     decode = {p.name.split("-")[2]: json.loads(p.read_text()) for p in tmp_path.glob("gpu-decode-b*.json")}
     assert sorted(decode) == ["b4", "b8"] and all(d["decode_ms"] for d in decode.values())
+    (verify,) = tmp_path.glob("gpu-verify-rows-*.json")  # decode steps of 1 and 5 rows (four drafts verified)
+    assert sorted(int(b) for b in json.loads(verify.read_text())["decode_ms"]) == [1, 5]
     (log,) = tmp_path.glob("gpu-bench-2*.log")
     # The bare SKIP set by _smoke_env changed nothing; smoke mode skips transformers by default.
     assert _summary(log.read_text()) == {"compare": "ok", "decode-b4": "ok", "decode-b8": "ok",
-                                         "transformers": "skipped"}
+                                         "verify-rows": "ok", "transformers": "skipped"}
 
 
 def test_tests_script_smoke_mode_collects_its_selection(tmp_path):
