@@ -10,7 +10,7 @@ set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${STEPAHEAD_GPU_LOCAL_PYTHON:-$REPO/.venv/bin/python}"
 mkdir -p "$REPO/.whl"
-PKGS=(fastapi starlette pydantic pydantic_core annotated-types typing-inspection typing_extensions uvicorn
+PKGS=(fastapi opentelemetry-api annotated-doc starlette pydantic pydantic_core annotated-types typing-inspection typing_extensions uvicorn
       h11 click anyio sniffio idna pyzmq msgspec gguf xgrammar apache-tvm-ffi)
 for pkg in "${PKGS[@]}"; do
   ver="$("$PY" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$pkg")"
