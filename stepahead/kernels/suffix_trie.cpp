@@ -226,11 +226,15 @@ int32_t SuffixTrie::find(int32_t parent, int32_t token) const {
 
 void SuffixTrie::insert_slot(int32_t parent, int32_t token, int32_t child) {
   if ((used_slots_ + 1) * 10 > static_cast<int64_t>(slots_.size()) * 7) grow();
-  const size_t mask = slots_.size() - 1;
-  size_t i = home(parent, token);
-  while (slots_[i].child != kNone) i = (i + 1) & mask;
-  slots_[i] = Slot{parent, token, child};
+  place(Slot{parent, token, child});
   ++used_slots_;
+}
+
+void SuffixTrie::place(const Slot& slot) {
+  const size_t mask = slots_.size() - 1;
+  size_t i = home(slot.parent, slot.token);
+  while (slots_[i].child != kNone) i = (i + 1) & mask;
+  slots_[i] = slot;
 }
 
 void SuffixTrie::erase_slot(int32_t parent, int32_t token) {
@@ -254,12 +258,8 @@ void SuffixTrie::erase_slot(int32_t parent, int32_t token) {
 void SuffixTrie::grow() {
   std::vector<Slot> old(slots_.size() * 2);
   std::swap(old, slots_);
-  const size_t mask = slots_.size() - 1;
   for (const Slot& slot : old) {
-    if (slot.child == kNone) continue;
-    size_t i = home(slot.parent, slot.token);
-    while (slots_[i].child != kNone) i = (i + 1) & mask;
-    slots_[i] = slot;
+    if (slot.child != kNone) place(slot);
   }
 }
 

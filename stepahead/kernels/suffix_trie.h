@@ -81,6 +81,7 @@ class SuffixTrie {
   int32_t best_child(int32_t node);                   // kNone where the node has no child
   size_t home(int32_t parent, int32_t token) const;
   void insert_slot(int32_t parent, int32_t token, int32_t child);
+  void place(const Slot& slot);  // into the first free slot of its probe run (the table has room)
   void erase_slot(int32_t parent, int32_t token);
   void grow();
   void check_frontier(const Frontier& frontier) const;

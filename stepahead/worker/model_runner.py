@@ -590,8 +590,7 @@ class ModelRunner:
         self.prev_req_id_to_row = {}  # nothing to substitute on the device: the host holds every token
         out = self._account(self.spec.to_output(step.req_ids, step.sample_rows, verified, proposals), step, t0,
                             time.monotonic())
-        if step.num_tokens == len(states) + sum(map(len, step.sample_drafts)):  # no prompt rows in it
-            self.spec.record_step(step.num_tokens, out.busy_s)
+        self.spec.record_step(step.num_tokens, step.sample_drafts, out.busy_s)
         if step.gpu_start is not None:
             out.gpu_busy_s = self._gpu_busy_s(step.gpu_start)
         return out

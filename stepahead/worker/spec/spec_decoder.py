@@ -101,10 +101,11 @@ class SpecDecoder:
         self.proposer = proposer
         self.cost = StepCost() if spec.draft_policy == "cost" else None  # what a row costs, once measured
 
-    def record_step(self, rows: int, seconds: float) -> None:
-        """A step of decode and draft rows only took `seconds` (the draft budget's measure of a row)."""
-        if self.cost is not None:
-            self.cost.record(rows, seconds)
+    def record_step(self, num_tokens: int, drafts: list[list[int]], seconds: float) -> None:
+        """A step of num_tokens rows, sampling one row per request after its drafts, took `seconds`: the
+        draft budget's measure of a row, taken from steps without prompt rows only."""
+        if self.cost is not None and num_tokens == len(drafts) + sum(map(len, drafts)):
+            self.cost.record(num_tokens, seconds)
 
     def kv_bytes_per_token(self) -> int:
         return self.proposer.kv_bytes_per_token() if self.proposer is not None else 0
@@ -168,9 +169,9 @@ class SpecDecoder:
             targets, row_logprobs, failed_positions = apart.token_ids, apart.logprobs, apart.failed
             md = None  # sampled row by row: keep the one-hot rule's tokens
         step = VerifiedStep(accept_drafts(drafts, targets, max_accepted))
-        if draft_probs is not None and md is not None:
-            self._verify_drawn_drafts(step, logits, md, rows, drafts, draft_probs, max_accepted or {})
         first = first_positions(drafts)
+        if draft_probs is not None and md is not None:
+            self._verify_drawn_drafts(step, logits, md, rows, drafts, first, draft_probs, max_accepted or {})
         for i, (row_drafts, tokens) in enumerate(zip(drafts, step.tokens, strict=True)):
             positions = range(first[i], first[i] + len(row_drafts) + 1)
             reasons = [failed_positions[p] for p in positions if p in failed_positions]
@@ -182,7 +183,7 @@ class SpecDecoder:
 
     @staticmethod
     def _verify_drawn_drafts(step: VerifiedStep, logits: torch.Tensor, md: SamplingMetadata, rows: list[RowSampling],
-                             drafts: list[list[int]], draft_probs: list[torch.Tensor | None],
+                             drafts: list[list[int]], first: list[int], draft_probs: list[torch.Tensor | None],
                              max_accepted: dict[int, int]) -> None:
         """Rows whose drafts were drawn from a q get the general rule's tokens (rejection_sampler.py);
         not rows with logprobs, nor rows a grammar caps, whose tokens keep the one-hot rule's (valid for
@@ -191,7 +192,6 @@ class SpecDecoder:
                    and rows[i].params.logprobs is None and not rows[i].params.is_greedy]
         if not general:
             return
-        first = first_positions(drafts)
         positions = [first[i] + j for i in general for j in range(1 + len(drafts[i]))]
         p = sampling_probs(logits, md).index_select(0, torch.tensor(positions, device=logits.device))
         q = torch.cat([draft_probs[i] for i in general])  # type: ignore[misc]
