@@ -27,8 +27,8 @@ import tracemalloc
 
 from stepahead.config import SpeculativeConfig
 from stepahead.kernels import cpu_suffix_trie
-from stepahead.worker.spec.suffix_proposer import SuffixProposer
-from stepahead.worker.spec.suffix_tree import SuffixIndex, SuffixTrie
+from stepahead.worker.spec_decode.suffix_proposer import SuffixProposer
+from stepahead.worker.spec_decode.suffix_tree import SuffixIndex, SuffixTrie
 
 IMPLEMENTATIONS = {"python": SuffixTrie, "cpp": cpu_suffix_trie.NativeSuffixTrie}
 

@@ -116,7 +116,7 @@ class SpeculativeConfig:
     # How many drafts a request proposes (at most num_speculative_tokens): "acceptance" one more than the
     # request has been accepting; "cost" a position only where its chance of acceptance outweighs what
     # its row costs, measured on recent steps, so drafting stops at batch sizes where it would not pay
-    # (worker/spec/draft_track.py, draft_budget.py; docs/BENCHMARKS.md compares them).
+    # (worker/spec_decode/draft_track.py, draft_budget.py; docs/BENCHMARKS.md compares them).
     draft_policy: str = "acceptance"
     # draft_model: the draft checkpoint (a folder, a .gguf file or a hub id, as the target's model), loaded
     # by the target's loader with the target's dtype; it must share the target's vocabulary.

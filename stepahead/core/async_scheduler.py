@@ -64,7 +64,7 @@ class AsyncScheduler(Scheduler):
     def _step_drafts(req: Request, scheduled: list[int] | None) -> list[int]:
         """A grammar request's -1 slots hold the worker's drafts, reported in the output processed just
         before this bitmask (the step's sampling waits for it), padded as the worker pads them: with the
-        last token (worker/spec/spec_decoder.py, step_drafts). Should they differ from what the worker
+        last token (worker/spec_decode/spec_decoder.py, step_drafts). Should they differ from what the worker
         laid out, the worker accepts no draft past the difference."""
         if not scheduled:
             return []

@@ -1,4 +1,4 @@
-"""Suffix decoding's trie in C++ (kernels/suffix_trie.cpp): the SuffixTrie of worker/spec/suffix_tree.py
+"""Suffix decoding's trie in C++ (kernels/suffix_trie.cpp): the SuffixTrie of worker/spec_decode/suffix_tree.py
 with its nodes in one vector, named by index, and their children in one table keyed by (parent, token).
 
 The proposer indexes every prompt token at up to max_tree_depth nodes; in Python objects that is some
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from stepahead.kernels import cpu_build
-from stepahead.worker.spec.suffix_tree import Draft, Frontier
+from stepahead.worker.spec_decode.suffix_tree import Draft, Frontier
 
 
 def available() -> bool:
@@ -22,7 +22,7 @@ def available() -> bool:
 
 
 class NativeSuffixTrie:
-    """A SuffixIndex (worker/spec/suffix_tree.py) over the C++ trie."""
+    """A SuffixIndex (worker/spec_decode/suffix_tree.py) over the C++ trie."""
 
     def __init__(self, max_depth: int) -> None:
         self._trie = cpu_build.op("SuffixTrie")(max_depth)

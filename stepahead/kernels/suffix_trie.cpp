@@ -1,6 +1,6 @@
-// SuffixTrie (suffix_trie.h): the Python SuffixTrie's walks (worker/spec/suffix_tree.py) over nodes
+// SuffixTrie (suffix_trie.h): the Python SuffixTrie's walks (worker/spec_decode/suffix_tree.py) over nodes
 // named by index. The Python trie stays as the fallback where this extension cannot be built and as the
-// reference tests/worker/spec/test_suffix_tree.py checks this one against, with brute force.
+// reference tests/worker/spec_decode/test_suffix_tree.py checks this one against, with brute force.
 
 #include "suffix_trie.h"
 

@@ -1,6 +1,6 @@
 // SuffixTrie: suffix decoding's depth-bounded counted suffix trie, in compact storage (suffix_trie.cpp).
 //
-// The same trie, counts, matches and drafts as the Python SuffixTrie in worker/spec/suffix_tree.py,
+// The same trie, counts, matches and drafts as the Python SuffixTrie in worker/spec_decode/suffix_tree.py,
 // which stays as the fallback where this extension cannot be built and as the reference the tests
 // check this one against. Nodes live in one vector and are named by their index (the root is 0); a
 // frontier is a list of node indices. Children are found through one open-addressing table keyed by

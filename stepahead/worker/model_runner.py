@@ -41,8 +41,8 @@ from stepahead.worker.row_failures import RowsApart, sample_rows_apart
 from stepahead.worker.sampled_feed import SampledTokenFeed
 from stepahead.worker.sampler import SamplerOutput, apply_bitmask, logprobs_to_host, sample
 from stepahead.worker.sampling_metadata import RowSampling, SamplingMetadata
-from stepahead.worker.spec.spec_decoder import SpecDecoder, first_positions, make_proposer
-from stepahead.worker.spec.step_outcome import encode_outcomes
+from stepahead.worker.spec_decode.spec_decoder import SpecDecoder, first_positions, make_proposer
+from stepahead.worker.spec_decode.step_outcome import encode_outcomes
 from stepahead.worker.staging import StagingBuffer
 
 logger = logging.getLogger(__name__)
@@ -140,7 +140,7 @@ class ModelRunner:
         self.dtype = TORCH_DTYPES[model_config.dtype]
         self.block_size = cache_config.block_size
         self.model = load_model(model_config, config.device, ps)
-        # Drafts proposed here after sampling and verified in the next forward pass (worker/spec/); a
+        # Drafts proposed here after sampling and verified in the next forward pass (worker/spec_decode/); a
         # draft model loads here, before the KV pool is sized around both models. Only the sampler rank
         # proposes: the others take its drafts with each step's outcome (worker/sampled_feed.py).
         self.spec = None if spec_config is None else \
@@ -577,7 +577,7 @@ class ModelRunner:
     def _verify_and_propose(self, step: _StepState, logits: torch.Tensor, states: list[CachedRequestState],
                             rows: list[RowSampling], t0: float,
                             max_accepted: dict[int, int] | None) -> ModelRunnerOutput:
-        """Speculative decoding's sampling (worker/spec/spec_decoder.py): every position sampled, the
+        """Speculative decoding's sampling (worker/spec_decode/spec_decoder.py): every position sampled, the
         drafts verified (a grammar's as far as its masks reach), the next drafts proposed; the verified
         tokens are on the host afterwards."""
         assert self.spec is not None and step.sample_drafts is not None

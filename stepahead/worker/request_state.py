@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from stepahead.sampling_params import SamplingParams
-from stepahead.worker.spec.draft_track import DraftTrack
+from stepahead.worker.spec_decode.draft_track import DraftTrack
 
 
 @dataclass

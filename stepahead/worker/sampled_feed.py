@@ -9,7 +9,7 @@ scheduling at pipeline depth P the steps in flight hold different requests, so t
 step N+1 while the last stage still computes step N.
 
 With speculative decoding a step's outcome per request is its verified tokens and its next drafts
-(worker/spec/step_outcome.py): the sampler broadcasts one [rows, 2k + 3] tensor per step instead of
+(worker/spec_decode/step_outcome.py): the sampler broadcasts one [rows, 2k + 3] tensor per step instead of
 [rows] ids, and applying it also gives back the rejected positions and sets the request's drafts. The
 host then holds every token, so nothing is substituted on the device.
 """
@@ -26,7 +26,7 @@ import torch
 from stepahead.distributed.comm import broadcast_sampled
 from stepahead.distributed.state import ParallelState
 from stepahead.worker.request_state import CachedRequestState
-from stepahead.worker.spec.step_outcome import apply_outcomes, outcome_width
+from stepahead.worker.spec_decode.step_outcome import apply_outcomes, outcome_width
 
 
 @dataclass

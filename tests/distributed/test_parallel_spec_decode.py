@@ -2,7 +2,7 @@
 gives without drafts.
 
 Only the sampler rank verifies and proposes; every other rank takes each step's outcome (verified
-tokens and next drafts, worker/spec/step_outcome.py) from its broadcast and lays out the same drafts,
+tokens and next drafts, worker/spec_decode/step_outcome.py) from its broadcast and lays out the same drafts,
 so a rank whose token lists, computed counts or drafts drifted from the sampler's would compute other
 tokens (or fail its layout check). The model has tied embeddings and the prompts copy themselves, so
 the proposers' drafts hit, and the counters must show accepted drafts. Greedy decoding of this model

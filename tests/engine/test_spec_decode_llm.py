@@ -99,7 +99,7 @@ def test_ngram_gives_the_plain_tokens(tied, plain, name):
 def test_the_cost_policy_budgets_drafts_and_gives_the_plain_tokens(tied, plain, name, monkeypatch):
     """draft_policy "cost": the worker fits a row's cost from its own decode steps, then each step's
     budget decides the drafts (a spy around the real allocation records it); the tokens are the plain ones."""
-    from stepahead.worker.spec import spec_decoder
+    from stepahead.worker.spec_decode import spec_decoder
 
     budgets = []
     allocate = spec_decoder.allocate_drafts

@@ -8,7 +8,7 @@ import pytest
 from stepahead.engine.arg_utils import EngineArgs
 from stepahead.sampling_params import SamplingParams
 from stepahead.worker.request_state import CachedRequestState
-from stepahead.worker.spec.draft_model_proposer import DraftModelProposer
+from stepahead.worker.spec_decode.draft_model_proposer import DraftModelProposer
 from tests.tiny_models import VOCAB_SIZE, hf_greedy
 
 K = 3

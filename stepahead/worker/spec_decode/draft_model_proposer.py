@@ -38,8 +38,8 @@ from stepahead.utils import cdiv
 from stepahead.worker.request_state import CachedRequestState
 from stepahead.worker.sampler import sampling_probs
 from stepahead.worker.sampling_metadata import RowSampling, SamplingMetadata
-from stepahead.worker.spec import spec_uniforms
-from stepahead.worker.spec.proposer import ProposedDrafts, Proposer
+from stepahead.worker.spec_decode import spec_uniforms
+from stepahead.worker.spec_decode.proposer import ProposedDrafts, Proposer
 from stepahead.worker.staging import StagingBuffer
 
 STAGING_SLACK = 64  # each staging region starts aligned: at most one slot lost per region

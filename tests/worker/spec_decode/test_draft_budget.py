@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from stepahead.worker.spec.draft_budget import MIN_STEPS, StepCost, allocate_drafts
-from stepahead.worker.spec.draft_track import DraftTrack
+from stepahead.worker.spec_decode.draft_budget import MIN_STEPS, StepCost, allocate_drafts
+from stepahead.worker.spec_decode.draft_track import DraftTrack
 
 
 def _cost(base: float, per_row: float) -> StepCost:

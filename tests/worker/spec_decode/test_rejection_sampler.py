@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stepahead.worker.spec.rejection_sampler import accept_drafts, rejection_sample
+from stepahead.worker.spec_decode.rejection_sampler import accept_drafts, rejection_sample
 
 
 def test_hand_made_rows():

@@ -22,14 +22,14 @@ from stepahead.worker.request_state import CachedRequestState
 from stepahead.worker.row_failures import sample_rows_apart
 from stepahead.worker.sampler import logprobs_to_host, sample, sampling_probs
 from stepahead.worker.sampling_metadata import RowSampling, SamplingMetadata
-from stepahead.worker.spec import spec_uniforms
-from stepahead.worker.spec.draft_budget import StepCost, allocate_drafts
-from stepahead.worker.spec.draft_model_proposer import DraftModelProposer
-from stepahead.worker.spec.ngram_proposer import NgramProposer
-from stepahead.worker.spec.proposer import PerRequestProposer, Proposer
-from stepahead.worker.spec.rejection_sampler import accept_drafts, rejection_sample
-from stepahead.worker.spec.step_outcome import take_verified
-from stepahead.worker.spec.suffix_proposer import SuffixProposer
+from stepahead.worker.spec_decode import spec_uniforms
+from stepahead.worker.spec_decode.draft_budget import StepCost, allocate_drafts
+from stepahead.worker.spec_decode.draft_model_proposer import DraftModelProposer
+from stepahead.worker.spec_decode.ngram_proposer import NgramProposer
+from stepahead.worker.spec_decode.proposer import PerRequestProposer, Proposer
+from stepahead.worker.spec_decode.rejection_sampler import accept_drafts, rejection_sample
+from stepahead.worker.spec_decode.step_outcome import take_verified
+from stepahead.worker.spec_decode.suffix_proposer import SuffixProposer
 
 
 @dataclass

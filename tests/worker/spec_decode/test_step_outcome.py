@@ -10,8 +10,8 @@ import torch
 from stepahead.config import SpeculativeConfig
 from stepahead.sampling_params import SamplingParams
 from stepahead.worker.request_state import CachedRequestState
-from stepahead.worker.spec.spec_decoder import SpecDecoder, VerifiedStep, ngram_proposer
-from stepahead.worker.spec.step_outcome import apply_outcomes, encode_outcomes, outcome_width
+from stepahead.worker.spec_decode.spec_decoder import SpecDecoder, VerifiedStep, ngram_proposer
+from stepahead.worker.spec_decode.step_outcome import apply_outcomes, encode_outcomes, outcome_width
 
 K = 3
 

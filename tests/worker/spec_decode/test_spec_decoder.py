@@ -11,8 +11,8 @@ from stepahead.sampling_params import SamplingParams
 from stepahead.worker.request_state import CachedRequestState
 from stepahead.worker.sampler import sample, sampling_probs
 from stepahead.worker.sampling_metadata import RowSampling, SamplingMetadata
-from stepahead.worker.spec.draft_track import FIRST_PAUSE_STEPS, MISSES_BEFORE_PAUSE, DraftTrack
-from stepahead.worker.spec.spec_decoder import SpecDecoder, VerifiedStep, ngram_proposer
+from stepahead.worker.spec_decode.draft_track import FIRST_PAUSE_STEPS, MISSES_BEFORE_PAUSE, DraftTrack
+from stepahead.worker.spec_decode.spec_decoder import SpecDecoder, VerifiedStep, ngram_proposer
 
 VOCAB = 6
 

@@ -1,7 +1,7 @@
 """The suffix proposer (vLLM's "suffix" method, after Arctic Inference's suffix decoding): drafts from
 counted suffix tries over the request's own tokens and over the outputs of recent other requests.
 
-Each request indexes its prompt and verified outputs in its own trie (`worker/spec/suffix_tree.py`),
+Each request indexes its prompt and verified outputs in its own trie (`worker/spec_decode/suffix_tree.py`),
 a few nodes per new token. The outputs of finished requests go into one global trie shared by all
 requests, the latest `suffix_decoding_max_cached_requests` of them (the oldest leaves first), so an
 agent or code-edit loop that repeats an earlier answer drafts it. For every length L of the request's
@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from stepahead.config import SpeculativeConfig
 from stepahead.kernels import cpu_suffix_trie
 from stepahead.worker.request_state import CachedRequestState
-from stepahead.worker.spec.proposer import ProposedDrafts, Proposer
-from stepahead.worker.spec.suffix_tree import Frontier, SuffixIndex, SuffixTrie
+from stepahead.worker.spec_decode.proposer import ProposedDrafts, Proposer
+from stepahead.worker.spec_decode.suffix_tree import Frontier, SuffixIndex, SuffixTrie
 
 
 def new_suffix_trie(max_depth: int) -> SuffixIndex:

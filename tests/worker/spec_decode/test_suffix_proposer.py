@@ -11,8 +11,8 @@ import pytest
 
 from stepahead.config import SpeculativeConfig
 from stepahead.kernels import cpu_build, cpu_suffix_trie
-from stepahead.worker.spec.suffix_proposer import SuffixProposer, new_suffix_trie
-from stepahead.worker.spec.suffix_tree import SuffixTrie
+from stepahead.worker.spec_decode.suffix_proposer import SuffixProposer, new_suffix_trie
+from stepahead.worker.spec_decode.suffix_tree import SuffixTrie
 
 needs_kernels = pytest.mark.skipif(not cpu_build.machine_can_build(), reason="needs an AVX2 CPU and a C++ compiler")
 
@@ -98,7 +98,7 @@ def test_the_proposer_runs_the_cpp_trie_where_the_kernels_build():
 
 def test_the_proposer_falls_back_to_the_python_trie_without_the_kernels():
     """With the kernels switched off (as where they cannot build), a process's proposer runs Python's trie."""
-    code = ("from stepahead.worker.spec.suffix_proposer import new_suffix_trie; "
+    code = ("from stepahead.worker.spec_decode.suffix_proposer import new_suffix_trie; "
             "print(type(new_suffix_trie(24)).__module__)")
     env = {**os.environ, cpu_build.DISABLE_ENV: "1"}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)

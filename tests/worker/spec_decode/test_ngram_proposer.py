@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stepahead.worker.spec.ngram_proposer import NgramProposer
+from stepahead.worker.spec_decode.ngram_proposer import NgramProposer
 
 
 def _reference(tokens: list[int], k: int, lo: int, hi: int, max_model_len: int) -> list[int]:

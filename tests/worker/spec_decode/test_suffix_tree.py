@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from stepahead.kernels import cpu_build
 from stepahead.kernels.cpu_suffix_trie import NativeSuffixTrie
-from stepahead.worker.spec.suffix_tree import Frontier, SuffixIndex, SuffixTrie
+from stepahead.worker.spec_decode.suffix_tree import Frontier, SuffixIndex, SuffixTrie
 
 needs_kernels = pytest.mark.skipif(not cpu_build.machine_can_build(), reason="needs an AVX2 CPU and a C++ compiler")
 TRIES = pytest.mark.parametrize("make_trie", [SuffixTrie, pytest.param(NativeSuffixTrie, marks=needs_kernels)],
