@@ -30,7 +30,7 @@ PYTEST=("$PY" -m pytest -q -p no:cacheprovider -rfE --durations=10)
 junit() { echo "--junitxml=$OUTDIR/gpu-tests-$1-$STAMP.xml"; }
 
 gpu_part kernels 120 "${PYTEST[@]}" -k cuda "$(junit kernels)" "$REPO/tests/attention/test_triton_paged.py"
-gpu_part fused 60 "${PYTEST[@]}" "$(junit fused)" "$REPO/tests/models/test_triton_fused.py"
+gpu_part fused 60 "${PYTEST[@]}" "$(junit fused)" "$REPO/tests/attention/test_triton_fused.py"
 gpu_part runner 220 "${PYTEST[@]}" -k cuda "$(junit runner)" "$REPO/tests/worker/test_runner_triton.py" \
   "$REPO/tests/worker/test_runner_misc.py"
 gpu_part memory-sampler 100 "${PYTEST[@]}" -k cuda "$(junit memory-sampler)" \

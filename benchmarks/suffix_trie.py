@@ -26,7 +26,7 @@ import time
 import tracemalloc
 
 from stepahead.config import SpeculativeConfig
-from stepahead.kernels import cpu_suffix_trie
+from stepahead.worker.spec_decode import cpu_suffix_trie
 from stepahead.worker.spec_decode.suffix_proposer import SuffixProposer
 from stepahead.worker.spec_decode.suffix_tree import SuffixIndex, SuffixTrie
 

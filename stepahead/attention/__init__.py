@@ -1,9 +1,11 @@
-"""Paged attention: a layer the models use (it never imports the worker).
+"""Paged attention: a layer the models use (it never imports them, nor the worker).
 
 The model runner lays a step's rows out (rows.BatchRow) and asks its backend for the step's metadata;
 each layer then calls paged_attention, which writes the new tokens' K/V at their slots and attends over
 the paged cache the way that metadata's backend does: SDPA over gathered blocks on CPU (sdpa.py), or
 Triton kernels that read the block table directly on CUDA (triton_backend.py, triton_paged.py).
+The layers' other fused Triton kernels (q/k norm + rope, residual add + RMSNorm: triton_fused.py) sit
+beside them, so that triton_aot.py compiles every Triton kernel from this one layer.
 """
 
 from __future__ import annotations

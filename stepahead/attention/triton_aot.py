@@ -8,7 +8,7 @@ a compile error, a spill, or a decode kernel larger than the footprint its split
 
     python -m stepahead.attention.triton_aot [--full]   # a table of kernels, registers and spills
 
-The layers' fused kernels (models/triton_fused.py: q/k norm + rope, residual add + RMSNorm) are
+The layers' fused kernels (attention/triton_fused.py: q/k norm + rope, residual add + RMSNorm) are
 compiled too, at each head size's model. Without --full a representative subset (every kernel and launch kind, every dtype, head size and
 block size at least once); --full compiles the whole matrix: fp16/bf16/fp32, head sizes 64 and 128,
 block sizes 1, 16 and 128, decode with every split count the engine can pick. Triton must not run
@@ -37,7 +37,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
-from stepahead.attention import triton_paged
+from stepahead.attention import triton_fused, triton_paged
 from stepahead.attention.triton_kernels import paged_attention_kernel
 from stepahead.attention.triton_paged import KernelLaunch
 
@@ -130,9 +130,7 @@ def variants(full: bool) -> Iterator[Variant]:
 
 
 def _fused_variants(dtype_name: str, dtype: torch.dtype, head_dim: int) -> Iterator[Variant]:
-    """The layers' fused kernels (models/triton_fused.py) at the model whose head size this is."""
-    from stepahead.models import triton_fused
-
+    """The layers' fused kernels (attention/triton_fused.py) at the model whose head size this is."""
     num_heads, num_kv_heads = HEADS[head_dim]
     hidden = HIDDEN[head_dim]
     fused = torch.empty(4, num_heads + 2 * num_kv_heads, head_dim, dtype=dtype)

@@ -1,5 +1,5 @@
 """The packed GEMM over 4-, 5- and 8-bit codes and the k-quants (packed_gemm.cpp; built by
-kernels/cpu_build.py; the k-quants' layout in kernels/kquant_tiles.py): AVX2, with AVX-512
+kernels/cpu_build.py; the k-quants' layout in models/quant/kquant_tiles.py): AVX2, with AVX-512
 VNNI's vpdpwssd for the dot products where the CPU has it, and AMX-INT8 tiles for whole blocks of 16
 rows where it has those (kernels/amx_gemm.cpp; the same bits each way, see instruction_set).
 
@@ -59,7 +59,7 @@ def int8_gemm(x: torch.Tensor, tiles: torch.Tensor, out_features: int) -> torch.
 
 def packed_gemm(x: torch.Tensor, tiles: torch.Tensor, out_features: int) -> torch.Tensor:
     """x [M, K] float32 times a packed [N, K] weight in any of the kernels' layouts (tile_q4, tile_q8,
-    kernels/kquant_tiles.py's tile_kquant; the record size names the format): [M, N] float32, with x and
+    models/quant/kquant_tiles.py's tile_kquant; the record size names the format): [M, N] float32, with x and
     the result rounded to bf16 values."""
     return _op("packed_gemm")(x, tiles, out_features)
 

@@ -23,7 +23,7 @@ from stepahead.attention.sdpa import AttentionMetadata
 from stepahead.distributed.layer_partition import stage_layer_range
 from stepahead.distributed.state import SINGLE, ParallelState
 from stepahead.kernels import cpu_ops
-from stepahead.kernels.cpu_decode_stack import build_decode_stack
+from stepahead.kernels.cpu_decode_stack import new_decode_stack
 from stepahead.models.loading.weights import as_handle
 from stepahead.models.moe import DenseExperts, MoeArgs, MoeBlock
 from stepahead.models.parallel_layers import (
@@ -35,6 +35,7 @@ from stepahead.models.parallel_layers import (
     vocab_shard,
 )
 from stepahead.models.quant.prompt_rows import PromptRows
+from stepahead.models.quant.quantized_linear import packed_tiles
 from stepahead.models.rope import apply_rope, rope_cos_sin
 from stepahead.models.windows import layer_windows
 
@@ -231,6 +232,37 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(normed, prompt_rows)
 
 
+def build_decode_stack(model):
+    """A DecodeStack (kernels/cpu_decode_stack.py) over the model's layers, or None unless every
+    projection of every layer runs stepahead's packed kernel, in any of its formats (Q4, Q5, Q8, the
+    k-quants; each projection its own, or its parts side by side in theirs: PackedParts); torch's
+    kernels, dense projections, Qwen3's per-head norms, rope over part of each head, sliding windows or
+    soft-capped attention, mixtures of experts, tensor or pipeline ranks: those steps keep the Python path."""
+    args = model.args
+    if (model.ps.world_size > 1 or args.qk_norm or args.partial_rotary_factor != 1.0
+            or getattr(args, "moe", None) is not None or not model.layers):
+        return None
+    if any(layer.self_attn.window is not None or layer.self_attn.softcap is not None for layer in model.layers):
+        return None
+    layers, parts = [], []
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+        counts = []
+        for p in projections:
+            tiles = packed_tiles(p)
+            if tiles is None:
+                return None
+            tensors += [*tiles, p.bias if p.bias is not None else torch.empty(0)]
+            counts.append(len(tiles))
+        layers.append(tensors)
+        parts.append(counts)
+    attn = model.layers[0].self_attn
+    return new_decode_stack(layers, parts, attn.num_heads, attn.num_kv_heads, attn.head_dim, args.rms_norm_eps,
+                            attn.scale, args.hidden_size)
+
+
 # Mixtral's checkpoint names for the MoE block and its experts' matrices -> Qwen3-MoE's, which the model uses.
 _MIXTRAL_NAMES = (("block_sparse_moe.", "mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."),
                   (".w2.", ".down_proj."))
@@ -311,8 +343,8 @@ class LlamaForCausalLM(nn.Module):
 
     def use_triton_fused(self) -> None:
         """Run each layer's q/k norms and rope, and its residual add with the following norm, as one
-        Triton kernel each (models/triton_fused.py): the runner's choice on CUDA."""
-        from stepahead.models import triton_fused
+        Triton kernel each (attention/triton_fused.py): the runner's choice on CUDA."""
+        from stepahead.attention import triton_fused
 
         full_rotary = self.args.partial_rotary_factor == 1.0  # the kernel rotates whole heads
         for module in self.modules():

@@ -148,7 +148,7 @@ class ModelRunner:
         if onednn_linear.available(self.device, self.dtype):
             self.model.use_onednn()
         if self.device.type == "cuda" and config.attention_backend == "triton":
-            self.model.use_triton_fused()  # norms and rope as fused Triton kernels (models/triton_fused.py)
+            self.model.use_triton_fused()  # norms and rope as fused Triton kernels (attention/triton_fused.py)
         self.vocab_size = model_config.vocab_size
         self.eos_token_ids = [i for i in (model_config.eos_token_id, *model_config.extra_eos_token_ids) if i is not None]
         max_blocks_per_seq = cdiv(sched_config.max_model_len, cache_config.block_size)

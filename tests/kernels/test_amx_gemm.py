@@ -10,7 +10,8 @@ import sys
 import pytest
 import torch
 
-from stepahead.kernels import cpu_build, cpu_packed, kquant_tiles
+from stepahead.kernels import cpu_build, cpu_packed
+from stepahead.models.quant import kquant_tiles
 from tests.kernels.test_cpu_decode_stack import _random_cache, _step
 from tests.kernels.test_cpu_packed_gemm import _q8_0, _weight, capped_env, products_capped_at
 from tests.kernels.test_kquant_gemm import _q5

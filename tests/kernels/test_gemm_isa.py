@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stepahead.kernels import cpu_build, cpu_packed, kquant_tiles
+from stepahead.kernels import cpu_build, cpu_packed
+from stepahead.models.quant import kquant_tiles
 from tests.kernels.test_cpu_packed_gemm import _args, _q8_0, products_capped_at
 from tests.kernels.test_cpu_packed_gemm import _weight as _q4
 from tests.kernels.test_kquant_gemm import _q5

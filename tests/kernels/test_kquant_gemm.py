@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from stepahead.kernels import cpu_build, cpu_packed, kquant_tiles
+from stepahead.kernels import cpu_build, cpu_packed
+from stepahead.models.quant import kquant_tiles
 from stepahead.models.quant.kquant_weights import KQUANT_TYPES, decode_kquant_blocks, sub_block
 from stepahead.models.quant.quant_weights import decode_gguf_blocks
 from tests.kernels.test_cpu_packed_gemm import _reference as _group_reference

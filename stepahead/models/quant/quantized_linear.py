@@ -9,7 +9,7 @@
   which computes  (q - 8) * scale + zero  per group (a code's offset `min` becomes
   zero = min + 8 * scale) on bfloat16 activations.
 - KQuantLinear: llama.cpp's k-quants (Q4_K, Q5_K, Q6_K), their super-block factors kept as the file
-  holds them (kernels/kquant_tiles.py), on stepahead's kernel only: torch has no kernel for them, so
+  holds them (models/quant/kquant_tiles.py), on stepahead's kernel only: torch has no kernel for them, so
   where ours is not built such weights stay dense (models/quant/quantized_loader.py).
 - Int8Linear: int8 codes. GGUF's Q8_0 (a scale per group of 32) on an AVX2 CPU runs stepahead's
   8-bit kernel of the same kind (packed_gemm.cpp); otherwise (and for --quantization int8, one scale
@@ -31,10 +31,13 @@ rows, tested), so a token's path and result depend on the token, not on the batc
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
-from stepahead.kernels import cpu_packed, kquant_tiles
+from stepahead.kernels import cpu_packed
+from stepahead.models.quant import kquant_tiles
 from stepahead.models.quant.kquant_weights import KQuantWeight
 from stepahead.models.quant.prompt_rows import ACTIVATION_ROUNDING, PromptRows, dense_rows
 from stepahead.models.quant.quant_weights import GroupQuantWeight, to_int8_rows
@@ -196,6 +199,16 @@ class PackedParts(_PackedBase):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, parts={len(self.parts)}"
+
+
+def packed_tiles(projection: nn.Module) -> list[torch.Tensor] | None:
+    """The packed tiles of a projection's parts (one, or PackedParts' several), or None where it does not
+    run stepahead's packed kernel."""
+    if isinstance(projection, PackedParts):
+        return [cast(torch.Tensor, part.tiles) for part in projection.parts]
+    if isinstance(projection, Int4Linear | Int8Linear | KQuantLinear) and projection.kernel == "stepahead":
+        return [cast(torch.Tensor, projection.tiles)]
+    return None
 
 
 def quantized_linear(weight: GroupQuantWeight | KQuantWeight, bias: torch.Tensor | None = None) -> nn.Module:

@@ -12,7 +12,7 @@ num_speculative_tokens and by the trie's depth (`suffix_decoding_max_tree_depth`
 draft); the candidate with the highest summed probability is proposed.
 
 Memory: a trie holds up to max_tree_depth nodes per indexed token (fewer where text repeats). The tries
-are C++ (kernels/cpu_suffix_trie.py) wherever stepahead's CPU kernels build, else Python's.
+are C++ (worker/spec_decode/cpu_suffix_trie.py) wherever stepahead's CPU kernels build, else Python's.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from stepahead.config import SpeculativeConfig
-from stepahead.kernels import cpu_suffix_trie
 from stepahead.worker.request_state import CachedRequestState
+from stepahead.worker.spec_decode import cpu_suffix_trie
 from stepahead.worker.spec_decode.proposer import ProposedDrafts, Proposer
 from stepahead.worker.spec_decode.suffix_tree import Frontier, SuffixIndex, SuffixTrie
 

@@ -11,7 +11,7 @@ trie is in it, so those are the suffixes of lengths 1..m for the longest matched
 Each node remembers its most frequent child (kept up to date as counts rise, rescanned after one
 falls), so walking the likeliest continuation costs O(1) a token.
 
-The proposer runs the same trie in C++ (kernels/suffix_trie.cpp, through kernels/cpu_suffix_trie.py)
+The proposer runs the same trie in C++ (kernels/suffix_trie.cpp, through worker/spec_decode/cpu_suffix_trie.py)
 wherever stepahead's CPU kernels build: some 65 bytes a node instead of some 270, and no Python per
 token. This one, of Python objects, is the fallback where they do not (no AVX2 CPU or no compiler, or
 STEPAHEAD_DISABLE_CPU_KERNELS set), and the reference: tests/worker/spec_decode/test_suffix_tree.py checks

@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from stepahead.config import SpeculativeConfig
-from stepahead.kernels import cpu_build, cpu_suffix_trie
+from stepahead.kernels import cpu_build
+from stepahead.worker.spec_decode import cpu_suffix_trie
 from stepahead.worker.spec_decode.suffix_proposer import SuffixProposer, new_suffix_trie
 from stepahead.worker.spec_decode.suffix_tree import SuffixTrie
 

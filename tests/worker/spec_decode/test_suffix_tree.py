@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stepahead.kernels import cpu_build
-from stepahead.kernels.cpu_suffix_trie import NativeSuffixTrie
+from stepahead.worker.spec_decode.cpu_suffix_trie import NativeSuffixTrie
 from stepahead.worker.spec_decode.suffix_tree import Frontier, SuffixIndex, SuffixTrie
 
 needs_kernels = pytest.mark.skipif(not cpu_build.machine_can_build(), reason="needs an AVX2 CPU and a C++ compiler")

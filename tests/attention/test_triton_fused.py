@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are decorated
 pytest.importorskip("triton")
 
-from stepahead.models import triton_fused
+from stepahead.attention import triton_fused
 from stepahead.models.llama import apply_rope
 from stepahead.worker.model_runner import ModelRunner
 from tests.tiny_models import hf_greedy

@@ -9,7 +9,7 @@ in one launch each what the torch path does in many, computing in fp32 and round
 - add_rms_norm: the residual add and the next RMSNorm; returns the sum (rounded to the stream's dtype,
   which the norm then reads, as the torch path does) and its norm; one program per token.
 
-Tested against the torch path through Triton's interpreter (tests/models/test_triton_fused.py); the CPU
+Tested against the torch path through Triton's interpreter (tests/attention/test_triton_fused.py); the CPU
 path never calls them.
 """
 
