@@ -1,14 +1,23 @@
-"""The package's import graph: no cycles, and no import from a lower layer into a higher one.
+"""The package's import graph: no cycles, and every import points down the layers.
 
-Every `import` and `from ... import` statement counts, at module level or inside a function, since a
-function-level import is still a dependency. Layers, lowest first:
+Every `import` and `from ... import` statement counts, at module level or inside a function (or under
+`if TYPE_CHECKING:`), since a lazy import is still a dependency. Layers, lowest first:
 
-    top-level modules (config, request, sampling_params, ...) < core < worker, models, kernels, attention,
-    distributed, structured_output < executor < engine < entrypoints < bench, tools
+    0  top-level modules (config, request, sampling_params, ...)
+    1  core, distributed, structured_output, kernels
+    2  attention
+    3  models
+    4  worker
+    5  executor
+    6  engine
+    7  entrypoints
+    8  bench, tools
 
-A module may import its own layer and the layers below it. bench/ and tools/ sit on top and may import
-anything; only entrypoints/cli.py (which registers their subcommands) imports them from below.
-stepahead/__init__.py, the public API that re-exports from the layers, is left out.
+A module may import its own package and the layers below it, never a layer above nor another package of
+its own layer: the packages that share a layer are independent of one another (the top-level modules
+count as one package). bench/ and tools/ sit on top; only entrypoints/cli.py (which registers their
+subcommands) imports them from below. stepahead/__init__.py, the public API that re-exports from the
+layers, is left out.
 """
 
 from __future__ import annotations
@@ -21,22 +30,25 @@ import pytest
 PACKAGE_ROOT = Path(__file__).resolve().parents[1] / "stepahead"
 
 LOWEST = 0
+TOP_LEVEL_MODULES = "top-level modules"  # the package the top-level modules count as
 LAYERS: dict[str, int] = {
     # Top-level modules: plain data and helpers that everything may use.
     **{name: LOWEST for name in ("config", "request", "sampling_params", "outputs", "validation", "utils",
                                  "errors", "tracing", "mkl_env", "grammar_bounds")},
+    # Packages that import only top-level modules.
     "core": 1,
-    "worker": 2,
-    "models": 2,
-    "kernels": 2,
+    "distributed": 1,
+    "structured_output": 1,
+    "kernels": 1,
+    # The forward pass, bottom up: attention over the paged cache, the models, the worker that runs them.
     "attention": 2,
-    "structured_output": 2,
-    "distributed": 2,
-    "executor": 3,
-    "engine": 4,
-    "entrypoints": 5,
-    "bench": 6,
-    "tools": 6,
+    "models": 3,
+    "worker": 4,
+    "executor": 5,
+    "engine": 6,
+    "entrypoints": 7,
+    "bench": 8,
+    "tools": 8,
 }
 TOP = LAYERS["bench"]
 # Registers the bench and tools subcommands of the `stepahead` command.
@@ -83,6 +95,12 @@ def imports_of(name: str, path: Path, modules: dict[str, Path]) -> list[tuple[st
     return found
 
 
+def package_of(module: str) -> str:
+    """The top-level package (or TOP_LEVEL_MODULES) a module belongs to, for the layer rules."""
+    area = module.split(".")[1]
+    return TOP_LEVEL_MODULES if LAYERS.get(area) == LOWEST else area
+
+
 def layer_of(module: str) -> int:
     area = module.split(".")[1]
     if area not in LAYERS:
@@ -99,10 +117,13 @@ def layer_violations(graph: dict[str, list[tuple[str, int]]]) -> list[str]:
     out = []
     for source, targets in sorted(graph.items()):
         for target, line in targets:
-            lower, higher = layer_of(source), layer_of(target)
-            if higher <= lower or (higher == TOP and source in MAY_IMPORT_TOP):
+            if package_of(source) == package_of(target):
                 continue
-            out.append(f"{source} (line {line}) imports {target}: layer {lower} imports layer {higher}")
+            lower, higher = layer_of(source), layer_of(target)
+            if higher < lower or (higher == TOP and source in MAY_IMPORT_TOP):
+                continue
+            why = "another package of its layer" if higher == lower else f"layer {higher}"
+            out.append(f"{source} (line {line}) imports {target}: layer {lower} imports {why}")
     return out
 
 
@@ -158,6 +179,18 @@ def test_the_graph_sees_function_level_and_relative_imports(tmp_path):
                      ("stepahead.bench.trace", 4), ("stepahead.engine", 5)]
     graph = {"stepahead.a": [("stepahead.b", 1)], "stepahead.b": [("stepahead.a", 3)], "stepahead.c": []}
     assert import_cycles(graph) == [["stepahead.a", "stepahead.b"]]
+
+
+def test_imports_up_or_across_a_layer_are_violations():
+    graph = {"stepahead.models.llama": [("stepahead.models.rope", 1), ("stepahead.attention.rows", 2),
+                                        ("stepahead.config", 3), ("stepahead.worker.staging", 4)],
+             "stepahead.kernels.cpu_ops": [("stepahead.core.stop", 5)],
+             "stepahead.config": [("stepahead.request", 6)],
+             "stepahead.entrypoints.cli": [("stepahead.bench.cli", 7)]}
+    assert layer_violations(graph) == [
+        "stepahead.kernels.cpu_ops (line 5) imports stepahead.core.stop: layer 1 imports another package of its layer",
+        "stepahead.models.llama (line 4) imports stepahead.worker.staging: layer 3 imports layer 4",
+    ]
 
 
 def test_every_area_has_a_layer():
