@@ -18,11 +18,15 @@ import bisect
 import logging
 import time
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
 from stepahead.attention.paged_cache import PagedKVCache
 from stepahead.attention.triton_backend import TritonMetadata
+from stepahead.config import EngineConfig
+from stepahead.distributed.state import ParallelState
+from stepahead.worker.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +104,17 @@ class DecodeGraphs:
         i = bisect.bisect_left(self.sizes, num_rows)
         return self.sizes[i] if i < len(self.sizes) else None
 
+    def replay(self, inputs: StepInputs) -> torch.Tensor | None:
+        """The hidden states of a decode-only step, from the smallest graph that holds it; None for a step
+        with a multi-token row or more rows than any graph (it runs eagerly)."""
+        if inputs.max_query_len != 1:
+            return None
+        size = self.padded_size(inputs.input_ids.shape[0])
+        if size is None:
+            return None
+        metadata = cast(TritonMetadata, inputs.attn_metadata)  # graphs run with the Triton backend only
+        return self.run(DecodeBatch(inputs.input_ids, inputs.positions, metadata), size)
+
     def run(self, batch: DecodeBatch, size: int) -> torch.Tensor:
         """Copy the step into the fixed buffers, replay the graph of `size` rows; hidden states [num_rows, hidden]."""
         rows = batch.input_ids.shape[0]
@@ -118,3 +133,15 @@ class DecodeGraphs:
             return self._forward(size)[:rows]
         graph.replay()
         return self.outputs[size][:rows]
+
+
+def capture_decode_graphs(config: EngineConfig, ps: ParallelState, model, kv_cache: PagedKVCache,
+                          max_blocks_per_seq: int, device: torch.device) -> DecodeGraphs | None:
+    """The decode graphs, captured: on CUDA with the Triton backend at one rank, unless eager or the model
+    waits on the device within a step (experts run one at a time, models/moe.py); else None."""
+    if (device.type != "cuda" or config.attention_backend != "triton" or config.enforce_eager
+            or ps.world_size != 1 or not model.can_capture_graphs()):
+        return None
+    graphs = DecodeGraphs(model, kv_cache, config.scheduler_config.max_num_seqs, max_blocks_per_seq, device)
+    graphs.capture()
+    return graphs

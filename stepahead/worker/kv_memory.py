@@ -19,6 +19,7 @@ import torch
 from stepahead.attention.paged_cache import PagedKVCache
 from stepahead.attention.rows import BatchRow
 from stepahead.config import EngineConfig
+from stepahead.distributed.state import ParallelState
 from stepahead.sampling_params import SamplingParams
 from stepahead.utils import cdiv
 from stepahead.worker.sampler import sample
@@ -34,6 +35,7 @@ class ProfiledRunner(Protocol):
     """What profiling needs of the ModelRunner (which imports this module)."""
 
     config: EngineConfig
+    ps: ParallelState
     device: torch.device
     block_size: int
     staging: StagingBuffer
@@ -80,6 +82,23 @@ def peak_bytes(run) -> int:
     peak = torch.cuda.max_memory_allocated() - base
     torch.cuda.empty_cache()
     return peak
+
+
+def pool_blocks(runner: ProfiledRunner, max_blocks_per_seq: int) -> int:
+    """The KV pool's size in blocks: cache_config.num_blocks, or what gpu_memory_utilization leaves of the
+    device (every rank holds the same block ids: the smallest pool fits all). On CUDA without it, a
+    dummy step compiles the kernels a prefill uses before the first request."""
+    cache_config, sched = runner.config.cache_config, runner.config.scheduler_config
+    if cache_config.gpu_memory_utilization is None:
+        if runner.device.type == "cuda":
+            dummy_step(runner, min(64, sched.max_num_batched_tokens, 2 * sched.max_model_len), 2)
+        return cache_config.num_blocks
+    num_blocks = blocks_from_memory(runner, cache_config.gpu_memory_utilization, max_blocks_per_seq)
+    if runner.ps.world_size > 1:
+        blocks = torch.tensor([num_blocks], device=runner.device)
+        torch.distributed.all_reduce(blocks, op=torch.distributed.ReduceOp.MIN, group=runner.ps.world_group)
+        num_blocks = int(blocks.item())
+    return num_blocks
 
 
 def blocks_from_memory(runner: ProfiledRunner, gpu_memory_utilization: float, max_blocks_per_seq: int) -> int:

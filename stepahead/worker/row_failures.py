@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from stepahead.core.sched_output import TokenLogprobs
-from stepahead.worker.sampler import logprobs_to_host, sample
+from stepahead.worker.sampler import SamplerOutput, logprobs_to_host, sample
 from stepahead.worker.sampling_metadata import RowSampling, SamplingMetadata
 
 logger = logging.getLogger(__name__)
@@ -29,6 +29,20 @@ class RowsApart:
     token_ids: list[int]  # one per row; a failed row's entry is 0, never delivered
     logprobs: dict[int, TokenLogprobs]  # by row, for the rows that asked
     failed: dict[int, str]  # row -> why its sampling failed
+
+
+def sample_batch(logits: torch.Tensor, rows: list[RowSampling],
+                 device: torch.device) -> tuple[SamplingMetadata | None, SamplerOutput, RowsApart | None]:
+    """The step's rows sampled in one call: (its metadata, the sampled ids and logprobs, None), or when
+    that call raises, each row sampled alone: (None, the rows' ids, RowsApart)."""
+    try:
+        metadata = SamplingMetadata.from_rows(rows, logits.shape[1], logits.device) if rows else None
+        if metadata is not None:
+            return metadata, sample(logits, metadata), None
+        return None, SamplerOutput(torch.empty(0, dtype=torch.long, device=device)), None
+    except Exception as e:  # a row's failure fails its request, not the step
+        apart = sample_rows_apart(logits, rows, e)
+        return None, SamplerOutput(torch.tensor(apart.token_ids, dtype=torch.long, device=device)), apart
 
 
 def sample_rows_apart(logits: torch.Tensor, rows: list[RowSampling], batch_error: Exception) -> RowsApart:

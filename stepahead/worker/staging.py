@@ -5,6 +5,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+ALIGNMENT_SLACK = 64  # each region starts 16-byte aligned: at most one slot lost per region
+
+
+def step_capacity(max_tokens: int, max_rows: int, max_blocks_per_seq: int) -> int:
+    """The slots of the worst step of max_tokens tokens in max_rows attention rows: 6 per token (ids,
+    positions, slots, prompt/generated row index, the decode kernel's keys per token and token-to-request
+    index), the block tables of every row, 6 per row."""
+    return 6 * max_tokens + 6 * max_rows + 1 + 2 * max_rows * max_blocks_per_seq + ALIGNMENT_SLACK
+
 
 class StagingBuffer:
     """One flat int64 host buffer filled region by region each step and sent to the device in one copy.

@@ -14,7 +14,7 @@ from stepahead import SamplingParams
 from stepahead.engine import output_processor
 from stepahead.sampling_params import StructuredOutputsParams
 from stepahead.structured_output.manager import StructuredOutputManager
-from stepahead.worker import model_runner, row_failures
+from stepahead.worker import row_failures
 
 MAX_MODEL_LEN = 128
 PROMPTS = [{"prompt_token_ids": [11 + i, 12, 13, 14 + i]} for i in range(4)]
@@ -96,7 +96,7 @@ def test_a_grammar_whose_bitmask_fails_fails_its_request_alone(llm, clean, monke
 
 
 def test_sampling_that_raises_for_one_row_fails_its_request_alone(llm, clean, monkeypatch):
-    sample = model_runner.sample
+    sample = row_failures.sample
 
     def failing_sample(logits, md):
         if md.num_random and POISON_TEMPERATURE in [round(t, 3) for t in md.temperature.tolist()]:
@@ -104,7 +104,6 @@ def test_sampling_that_raises_for_one_row_fails_its_request_alone(llm, clean, mo
         return sample(logits, md)
 
     # The batch's call and the row-by-row retry both go through the fault.
-    monkeypatch.setattr(model_runner, "sample", failing_sample)
     monkeypatch.setattr(row_failures, "sample", failing_sample)
     marked, others = _run(llm, SamplingParams(max_tokens=8, temperature=POISON_TEMPERATURE, ignore_eos=True))
     _check(llm, marked, others, clean, "injected sampler fault")

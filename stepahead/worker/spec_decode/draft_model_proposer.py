@@ -28,21 +28,17 @@ import torch
 
 from stepahead.attention.paged_cache import PagedKVCache
 from stepahead.attention.rows import BatchRow
-from stepahead.attention.sdpa import SdpaBackend
-from stepahead.attention.triton_backend import TritonBackend
 from stepahead.config import EngineConfig
-from stepahead.models import onednn_linear
 from stepahead.models.loading.loader import TORCH_DTYPES, load_model
 from stepahead.sampling_params import SamplingParams
 from stepahead.utils import cdiv
+from stepahead.worker.model_setup import new_attention_backend, use_fast_paths
 from stepahead.worker.request_state import CachedRequestState
 from stepahead.worker.sampler import sampling_probs
 from stepahead.worker.sampling_metadata import RowSampling, SamplingMetadata
 from stepahead.worker.spec_decode import spec_uniforms
 from stepahead.worker.spec_decode.proposer import ProposedDrafts, Proposer
-from stepahead.worker.staging import StagingBuffer
-
-STAGING_SLACK = 64  # each staging region starts aligned: at most one slot lost per region
+from stepahead.worker.staging import StagingBuffer, step_capacity
 
 
 @dataclass
@@ -64,11 +60,7 @@ class DraftModelProposer(Proposer):
         sched, cache = config.scheduler_config, config.cache_config
         self.device = torch.device(config.device)
         self.model = load_model(draft_config, config.device)
-        dtype = TORCH_DTYPES[draft_config.dtype]
-        if onednn_linear.available(self.device, dtype):
-            self.model.use_onednn()
-        if self.device.type == "cuda" and config.attention_backend == "triton":
-            self.model.use_triton_fused()
+        use_fast_paths(self.model, config, self.device, TORCH_DTYPES[draft_config.dtype])
         self.config = draft_config
         self.cache_dtype = TORCH_DTYPES[cache.cache_dtype or draft_config.dtype]
         self.block_size = cache.block_size
@@ -80,13 +72,10 @@ class DraftModelProposer(Proposer):
         self.scratch_per_row = cdiv(sched.num_speculative_tokens, self.block_size) + 1
         max_blocks = cdiv(sched.max_model_len, self.block_size)
         rows = sched.max_num_seqs
-        self.staging = StagingBuffer(6 * self.catch_up_budget + 6 * rows + 1 + 2 * rows * max_blocks + STAGING_SLACK,
-                                     self.device)
-        if config.attention_backend == "triton":
-            self.attention: Any = TritonBackend(self.block_size)  # stage and finish, as the runner's backend
-        else:
-            arange = torch.arange(max_blocks * self.block_size + self.catch_up_budget, device=self.device)
-            self.attention = SdpaBackend(self.block_size, max_blocks, arange, decode_kernel=self.model.cpu_kernels)
+        self.staging = StagingBuffer(step_capacity(self.catch_up_budget, rows, max_blocks), self.device)
+        # stage and finish, as the runner's backend
+        self.attention: Any = new_attention_backend(config, self.block_size, max_blocks, self.catch_up_budget,
+                                                    self.device, self.model.cpu_kernels)
         self.kv_cache: PagedKVCache | None = None
         self.first_scratch_block = 0
 

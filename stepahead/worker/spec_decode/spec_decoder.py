@@ -5,7 +5,7 @@ on the worker").
 The model runner calls in at three points: laying out a step's tokens (`step_drafts`: the drafts
 follow the request's last known token), keeping its own count of computed positions
 (`num_computed`: the scheduler's runs ahead by rejections it has not processed yet), and sampling
-(`sample_and_verify`, then `propose`). The verified tokens are read back to the host at once: the
+(`verify_and_propose`: `sample_and_verify`, then `propose`). The verified tokens are read back to the host at once: the
 proposers (proposer.py: the n-gram per request on the host, the draft model batched) start from them.
 """
 
@@ -20,6 +20,7 @@ from stepahead.config import EngineConfig, SpeculativeConfig
 from stepahead.core.sched_output import ModelRunnerOutput, TokenLogprobs
 from stepahead.worker.request_state import CachedRequestState
 from stepahead.worker.row_failures import sample_rows_apart
+from stepahead.worker.sampled_feed import SampledTokenFeed
 from stepahead.worker.sampler import logprobs_to_host, sample, sampling_probs
 from stepahead.worker.sampling_metadata import RowSampling, SamplingMetadata
 from stepahead.worker.spec_decode import spec_uniforms
@@ -28,7 +29,7 @@ from stepahead.worker.spec_decode.draft_model_proposer import DraftModelProposer
 from stepahead.worker.spec_decode.ngram_proposer import NgramProposer
 from stepahead.worker.spec_decode.proposer import PerRequestProposer, Proposer
 from stepahead.worker.spec_decode.rejection_sampler import accept_drafts, rejection_sample
-from stepahead.worker.spec_decode.step_outcome import take_verified
+from stepahead.worker.spec_decode.step_outcome import encode_outcomes, take_verified
 from stepahead.worker.spec_decode.suffix_proposer import SuffixProposer
 
 
@@ -145,6 +146,19 @@ class SpecDecoder:
             raise RuntimeError(f"request {state.req_id}: the scheduler counts {scheduler_count} computed "
                                f"positions, the worker has {state.num_computed_tokens}")
         return state.num_computed_tokens
+
+    def verify_and_propose(self, logits: torch.Tensor, rows: list[RowSampling], states: list[CachedRequestState],
+                           drafts: list[list[int]], max_accepted: dict[int, int] | None,
+                           feed: SampledTokenFeed | None) -> tuple[VerifiedStep, Proposals]:
+        """A verifying step's sampling on the sampler rank: sample_and_verify, then propose; the other
+        ranks (feed) get every request's verified tokens and next drafts, so they keep them as this one."""
+        verified = self.sample_and_verify(logits, rows, drafts, [state.draft.verifying_probs for state in states],
+                                          max_accepted)
+        proposals = self.propose(states, drafts, verified)
+        if feed is not None:
+            feed.send(encode_outcomes(verified.tokens, [state.draft.drafts for state in states],
+                                      self.num_speculative_tokens).to(feed.device))
+        return verified, proposals
 
     def sample_and_verify(self, logits: torch.Tensor, rows: list[RowSampling], drafts: list[list[int]],
                           draft_probs: list[torch.Tensor | None] | None = None,
