@@ -27,6 +27,7 @@ from stepahead.attention.paged_cache import PagedKVCache
 from stepahead.distributed.state import SINGLE, ParallelState
 from stepahead.kernels import cpu_ops
 from stepahead.models import llama
+from stepahead.models.llama_args import LlamaArgs
 from stepahead.models.quant.prompt_rows import PromptRows
 from stepahead.models.rope import rope_cos_sin, rope_type
 from stepahead.models.windows import layer_windows
@@ -36,7 +37,7 @@ GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
 
 
 @dataclass
-class GemmaArgs(llama.LlamaArgs):
+class GemmaArgs(LlamaArgs):
     query_pre_attn_scalar: float = 256.0
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
@@ -50,7 +51,7 @@ class GemmaArgs(llama.LlamaArgs):
                              f"(supported: {', '.join(GELU_TANH)})")
         if cfg.get("use_bidirectional_attention"):
             raise ValueError(f"use_bidirectional_attention is not supported for {arch} (a causal LM is)")
-        base = llama.LlamaArgs.from_hf_config("LlamaForCausalLM", cfg)
+        base = LlamaArgs.from_hf_config("LlamaForCausalLM", cfg)
         theta, scaling, local_theta = _rope_bases(arch, cfg, base.rope_theta, base.rope_scaling)
         heads = cfg["num_attention_heads"]
         return GemmaArgs(**{

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from stepahead.models.llama import LlamaArgs
+from stepahead.models.llama_args import LlamaArgs
 from stepahead.models.moe import MoeArgs
 
 QWEN3_MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)

@@ -9,7 +9,9 @@ slice out of each part.
 
 from __future__ import annotations
 
-from stepahead.models.llama import LlamaArgs, LlamaForCausalLM, ShardRead
+from stepahead.models.llama import LlamaForCausalLM
+from stepahead.models.llama_args import LlamaArgs
+from stepahead.models.llama_weights import ShardRead
 
 SUPPORTED_ARCHITECTURES = ("Phi3ForCausalLM",)
 

@@ -49,19 +49,19 @@ class ModelFamily:
 
 
 def _families() -> tuple[ModelFamily, ...]:
-    from stepahead.models import gemma, llama, moe_families, phi3
+    from stepahead.models import gemma, llama, llama_args, moe_families, phi3
 
     return (
-        ModelFamily("Llama", llama.SUPPORTED_ARCHITECTURES, llama.LlamaArgs.from_hf_config,
-                    llama.LlamaForCausalLM, llama.check_parallel_sizes),
+        ModelFamily("Llama", llama.SUPPORTED_ARCHITECTURES, llama_args.LlamaArgs.from_hf_config,
+                    llama.LlamaForCausalLM, llama_args.check_parallel_sizes),
         ModelFamily("Phi3", phi3.SUPPORTED_ARCHITECTURES, phi3.phi3_args, phi3.Phi3ForCausalLM,
-                    llama.check_parallel_sizes),
+                    llama_args.check_parallel_sizes),
         ModelFamily("Gemma", gemma.SUPPORTED_ARCHITECTURES, gemma.GemmaArgs.from_hf_config,
-                    gemma.GemmaForCausalLM, llama.check_parallel_sizes),
+                    gemma.GemmaForCausalLM, llama_args.check_parallel_sizes),
         ModelFamily("Qwen3-MoE", moe_families.QWEN3_MOE_ARCHITECTURES, moe_families.qwen3_moe_args,
-                    llama.LlamaForCausalLM, llama.check_parallel_sizes),
+                    llama.LlamaForCausalLM, llama_args.check_parallel_sizes),
         ModelFamily("Mixtral", moe_families.MIXTRAL_ARCHITECTURES, moe_families.mixtral_args,
-                    llama.LlamaForCausalLM, llama.check_parallel_sizes),
+                    llama.LlamaForCausalLM, llama_args.check_parallel_sizes),
     )
 
 

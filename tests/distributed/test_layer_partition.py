@@ -14,7 +14,7 @@ from stepahead.distributed.layer_partition import (
 )
 from stepahead.distributed.state import ParallelState
 from stepahead.engine.arg_utils import EngineArgs
-from stepahead.models.llama import stage_layers
+from stepahead.models.llama_args import stage_layers
 from tests.distributed.conftest import MAX_MODEL_LEN
 
 

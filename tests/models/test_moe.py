@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from stepahead.models.llama import LlamaForCausalLM, check_parallel_sizes
+from stepahead.models.llama import LlamaForCausalLM
+from stepahead.models.llama_args import check_parallel_sizes
 from stepahead.models.moe import DenseExperts, ExpertGroups, MoeArgs, MoeBlock, grouped_swiglu, route
 from stepahead.models.moe_families import mixtral_args, qwen3_moe_args
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from stepahead.bench.full_forward import sequence_logits
-from stepahead.models.llama import LlamaArgs
+from stepahead.models.llama_args import LlamaArgs
 from stepahead.models.loading.loader import load_model, load_model_config
 from stepahead.models.rope import rope_cos_sin
 from tests.models.gguf_writer import write_gguf

@@ -14,7 +14,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from stepahead import LLM, SamplingParams
 from stepahead.bench.full_forward import sequence_logits
-from stepahead.models.llama import LlamaArgs
+from stepahead.models.llama_args import LlamaArgs
 from stepahead.models.loading.loader import load_model, load_model_config
 from stepahead.models.rope import max_context, rope_inv_freq
 from tests.models.gguf_writer import write_gguf
