@@ -230,22 +230,32 @@ class OutputProcessor:
             return not output.finished
 
     def _update_child(self, child: _Completion, output: EngineCoreOutput) -> bool:
-        """Apply one step's news; True when a stop string finished a request the engine still runs."""
+        """Apply one step's news; True when a stop string finished a request the engine still runs.
+
+        With stop strings, a step's tokens (several where drafts were accepted) are taken one at a time:
+        the first that completes a stop string ends the output, and those after it are dropped, as
+        plain decoding would never have sampled them (a stop token among them included)."""
         new_ids = output.new_token_ids
-        child.token_ids.extend(new_ids)
-        if child.logprobs is not None and output.new_logprobs:
-            child.logprobs.extend(self._logprob_dict(token_logprobs) for token_logprobs in output.new_logprobs)
         # A stop token (EOS or stop_token_ids) ends the output but is not part of its text.
         stopped_on_token = output.finish_reason == "stop" and not isinstance(output.stop_reason, str)
-        text_ids = new_ids
-        if stopped_on_token and new_ids and not child.params.include_stop_str_in_output:
-            text_ids = new_ids[:-1]
-        old_len = len(child.text)
-        child.text += child.detok.append(text_ids)
-        if output.finished:
-            child.text += child.detok.flush()
-        if not stopped_on_token and child.params.stop and self._check_stop_strings(child, old_len):
-            return not output.finished
+        pieces = [[token] for token in new_ids] if child.params.stop and new_ids else [new_ids]
+        taken = 0
+        for piece in pieces:
+            taken += len(piece)
+            child.token_ids.extend(piece)
+            if child.logprobs is not None and output.new_logprobs:
+                piece_logprobs = output.new_logprobs[taken - len(piece):taken]
+                child.logprobs.extend(self._logprob_dict(token_logprobs) for token_logprobs in piece_logprobs)
+            last = taken == len(new_ids)
+            on_stop_token = last and stopped_on_token
+            text_ids = piece[:-1] if on_stop_token and piece and not child.params.include_stop_str_in_output \
+                else piece
+            old_len = len(child.text)
+            child.text += child.detok.append(text_ids)
+            if last and output.finished:
+                child.text += child.detok.flush()
+            if not on_stop_token and child.params.stop and self._check_stop_strings(child, old_len):
+                return not output.finished
         if output.finished:
             child.finish_reason = output.finish_reason
             child.stop_reason = output.stop_reason
