@@ -45,6 +45,20 @@ def fast_decoder(tokenizer: Any) -> Any:
     return tokenizer.decode
 
 
+def _joining_adjacent_special(decode: Any, added_ids: set[int]) -> Any:
+    """decode, with each added token that follows another decoded apart from it, so that no space
+    comes between the two (spaces_between_special_tokens False)."""
+    if not added_ids:
+        return decode
+
+    def joined(ids: list[int], **kwargs: Any) -> str:
+        cuts = [i for i in range(1, len(ids)) if ids[i] in added_ids and ids[i - 1] in added_ids]
+        bounds = [0, *cuts, len(ids)]
+        return "".join(decode(ids[a:b], **kwargs) for a, b in zip(bounds, bounds[1:], strict=False))
+
+    return joined
+
+
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text, emitting only complete characters.
 
@@ -53,8 +67,11 @@ class IncrementalDetokenizer:
     across tokens) and waits for the next token.
     """
 
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool) -> None:
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool,
+                 spaces_between_special_tokens: bool = True) -> None:
         self._decode = fast_decoder(tokenizer)
+        if not (skip_special_tokens or spaces_between_special_tokens):
+            self._decode = _joining_adjacent_special(self._decode, set(getattr(tokenizer, "added_tokens_decoder", ())))
         self._skip = skip_special_tokens
         self._ids = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         self._prefix_offset = 0
@@ -165,7 +182,8 @@ class OutputProcessor:
                 index=index,
                 engine_id=req.request_id,
                 params=params,
-                detok=IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens),
+                detok=IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens,
+                                             params.spaces_between_special_tokens),
                 logprobs=[] if params.logprobs is not None else None,
             ))
         parent = _Parent(request_id, prompt, prompt_ids, output_kind, children)
