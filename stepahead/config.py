@@ -67,6 +67,9 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 @dataclass
 class SchedulerConfig:
     max_num_seqs: int = 256
@@ -78,8 +81,13 @@ class SchedulerConfig:
     # Draft tokens per sampling step (docs/design.md, "Draft tokens as placeholders"); 0: no speculation.
     # EngineArgs sets it from speculative_config; the worker must propose the drafts.
     num_speculative_tokens: int = 0
+    # "fcfs": the waiting queue in arrival order; "priority": by (request priority, arrival), lower
+    # first, and a running request of a strictly worse priority gives its place (core/waiting_order.py).
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        check_field(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy", self.scheduling_policy,
+                    f"must be one of {', '.join(SCHEDULING_POLICIES)}")
         check_field(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "must be >= 1")
         check_field(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", self.max_num_batched_tokens, "must be >= 1")
         check_field(self.max_model_len >= 2, "max_model_len", self.max_model_len, "must be >= 2")

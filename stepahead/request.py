@@ -76,6 +76,7 @@ class Request:
         cache_salt: str | None = None,
         max_model_len: int | None = None,
         extra_eos_token_ids: tuple[int, ...] = (),
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
         self.sampling_params = sampling_params
@@ -83,6 +84,7 @@ class Request:
         # The model's other end tokens (Llama 3's <|eot_id|>, ...): they finish the request as EOS does.
         self.extra_eos_token_ids = extra_eos_token_ids
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.priority = priority  # lower runs earlier under the priority scheduling policy
         self.cache_salt = cache_salt
         self.prompt_token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)

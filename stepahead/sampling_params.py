@@ -108,6 +108,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    # With skip_special_tokens False: False joins a special (added) token directly after another to it,
+    # without the space the tokenizer's decoder may put between them (vLLM's).
+    spaces_between_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before penalties and sampling
     allowed_token_ids: list[int] | None = None  # sample only among these (and their logprobs are over them)

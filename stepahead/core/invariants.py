@@ -21,6 +21,7 @@ class SchedulerState(Protocol):
     """What the checks read of a Scheduler."""
 
     uses_placeholders: bool
+    by_priority: bool
     max_num_scheduled_tokens: int
     max_num_running_reqs: int
     max_request_len: int
@@ -86,6 +87,10 @@ def check_scheduler(sched: SchedulerState, in_flight: list[SchedulerOutput] | No
     for r in (*sched.waiting, *sched.skipped_waiting):
         if r.status not in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_GRAMMAR, RequestStatus.PREEMPTED):
             _fail("queues", f"{r} in waiting")
+    if sched.by_priority:
+        keys = [(r.priority, r.arrival_time) for r in sched.waiting]
+        if keys != sorted(keys):
+            _fail("Q1", f"the priority policy's waiting queue is out of (priority, arrival) order: {keys}")
     in_flight_tokens: Counter[str] = Counter()
     in_flight_drafts: Counter[str] = Counter()
     for scheduler_output in in_flight or ():

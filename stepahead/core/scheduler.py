@@ -18,6 +18,7 @@ from stepahead.core.kv_cache import KVCacheManager
 from stepahead.core.sched_output import EngineCoreOutput, GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from stepahead.core.step_plan import StepPlan, make_scheduler_output
 from stepahead.core.stop import check_stop
+from stepahead.core.waiting_order import insert_by_priority, priority_key
 from stepahead.request import Request, RequestStatus, check_context_length
 from stepahead.utils import cdiv
 
@@ -71,6 +72,7 @@ class Scheduler:
         self.cache_config = cache_config
         self.max_num_running_reqs = scheduler_config.max_num_seqs
         self.max_num_scheduled_tokens = scheduler_config.max_num_batched_tokens
+        self.by_priority = scheduler_config.scheduling_policy == "priority"
         self.max_model_len = scheduler_config.max_model_len
         self.num_spec_tokens = scheduler_config.num_speculative_tokens
         self.kv_cache_manager = KVCacheManager(cache_config, scheduler_config.max_model_len)
@@ -124,7 +126,10 @@ class Scheduler:
             grammar_manager.submit(request)
             request.status = RequestStatus.WAITING_FOR_GRAMMAR  # until its grammar has compiled
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        if self.by_priority:
+            insert_by_priority(self.waiting, request)
+        else:
+            self.waiting.append(request)
 
     def _check_admissible(self, request: Request) -> None:
         """What the scheduler itself needs (the frontend's InputProcessor checks the prompt in full)."""
@@ -205,7 +210,14 @@ class Scheduler:
                 continue
             new_blocks = kv.allocate_slots(req, num_new)
             while new_blocks is None:
-                victim = running.pop()  # FCFS: the most recently admitted request
+                # FCFS: the most recently admitted request; priority: the least urgent, which may have
+                # been scheduled earlier in this step (its tokens go back to the budget).
+                index = running.index(max(running, key=priority_key)) if self.by_priority else len(running) - 1
+                victim = running.pop(index)
+                if index < i:
+                    i -= 1
+                    if victim.request_id in plan.num_scheduled:
+                        plan.unschedule(victim)
                 self._preempt_request(victim, drop_stale_output=False)
                 plan.preempted.append(victim)
                 if victim is req:
@@ -241,9 +253,9 @@ class Scheduler:
         chunked = self.scheduler_config.enable_chunked_prefill
         step_skipped: list[Request] = []
         while (self.skipped_waiting or self.waiting) and plan.token_budget > 0:
-            if len(self.running) >= self.max_num_running_reqs:
+            if len(self.running) >= self.max_num_running_reqs and not self.by_priority:
                 break
-            queue = self.skipped_waiting if self.skipped_waiting else self.waiting
+            queue = self._next_waiting_queue()
             req = queue[0]
             if req.status == RequestStatus.WAITING_FOR_GRAMMAR and not self._grammar_ready(req):
                 queue.popleft()  # others go ahead while it compiles
@@ -256,6 +268,8 @@ class Scheduler:
                 queue.popleft()
                 step_skipped.append(req)
                 continue
+            if len(self.running) >= self.max_num_running_reqs and not self._displace_for(req, plan):
+                break
             hit_blocks, num_hit = kv.get_computed_blocks(req)
             num_new = req.num_tokens - num_hit
             if 0 < threshold < num_new:
@@ -264,6 +278,8 @@ class Scheduler:
                 break
             num_new = min(num_new, plan.token_budget)
             new_blocks = kv.allocate_slots(req, num_new, num_hit, hit_blocks)
+            while new_blocks is None and self._displace_for(req, plan):
+                new_blocks = kv.allocate_slots(req, num_new, num_hit, hit_blocks)
             if new_blocks is None:
                 break  # head-of-line blocking
             queue.popleft()
@@ -279,6 +295,32 @@ class Scheduler:
             plan.schedule(req, num_new)
         if step_skipped:
             self.skipped_waiting.extendleft(reversed(step_skipped))
+
+    def _next_waiting_queue(self) -> deque[Request]:
+        """The queue whose head is admitted next: the skipped requests first under fcfs; under priority
+        whichever head is more urgent."""
+        if not self.skipped_waiting:
+            return self.waiting
+        if self.by_priority and self.waiting and priority_key(self.waiting[0]) < priority_key(self.skipped_waiting[0]):
+            return self.waiting
+        return self.skipped_waiting
+
+    def _displace_for(self, request: Request, plan: StepPlan) -> bool:
+        """Under the priority policy, preempt the least urgent running request (not one admitted in this
+        step) if its priority is strictly worse than the waiting request's; True if one was. Equal
+        priorities never displace each other, so two requests cannot take turns preempting."""
+        if not self.by_priority:
+            return False
+        admitted = {r.request_id for r in (*plan.new, *plan.resumed)}
+        victim = max((r for r in self.running if r.request_id not in admitted), key=priority_key, default=None)
+        if victim is None or victim.priority <= request.priority:
+            return False
+        self.running.remove(victim)
+        if victim.request_id in plan.num_scheduled:
+            plan.unschedule(victim)
+        self._preempt_request(victim, drop_stale_output=False)
+        plan.preempted.append(victim)
+        return True
 
     def _grammar_ready(self, request: Request) -> bool:
         """Whether a request waiting for its grammar may be admitted now. A failed compile finishes
@@ -516,7 +558,10 @@ class Scheduler:
         request.is_prefill_chunk = False
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        if self.by_priority:
+            insert_by_priority(self.waiting, request)
+        else:
+            self.waiting.appendleft(request)
         self.reset_preempted_req_ids.add(request.request_id)
 
     def finish_requests(self, request_ids: str | list[str], finished_status: RequestStatus) -> None:

@@ -15,6 +15,7 @@ from stepahead.config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     KV_CACHE_DTYPE_CHOICES,
     QUANTIZATION_CHOICES,
+    SCHEDULING_POLICIES,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -35,6 +36,7 @@ CHOICES = {
     "structured_outputs_backend": ("xgrammar", "none"),
     "quantization": QUANTIZATION_CHOICES,
     "kv_cache_dtype": KV_CACHE_DTYPE_CHOICES,
+    "scheduling_policy": SCHEDULING_POLICIES,
 }
 
 
@@ -58,6 +60,10 @@ class EngineArgs:
     max_num_seqs: int = _arg(256, "most requests in one batch")
     max_num_batched_tokens: int | None = _arg(
         None, "most tokens in one step (default: 2048, or max_model_len without chunked prefill)")
+    scheduling_policy: str = _arg(
+        "fcfs", "'fcfs' (default): requests run in arrival order, and a request's priority must be 0; "
+                "'priority': waiting requests run by (priority, arrival), lower first, and a waiting request "
+                "preempts a running one of a strictly worse priority when seats or KV blocks run out")
     block_size: int = _arg(16, "tokens per KV-cache block")
     kv_cache_dtype: str = _arg(
         "auto", "what the KV cache holds: 'auto' (default): float16 under packed (quantized) weights on CPU "
@@ -190,6 +196,7 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
             debug_invariants=self.debug_invariants,
             num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
+            scheduling_policy=self.scheduling_policy,
         )
         blocks_per_seq = cdiv(max_model_len, self.block_size)
         # No need for more than every sequence at full length.

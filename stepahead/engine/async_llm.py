@@ -130,7 +130,7 @@ class AsyncLLM:
         self.model_config = config.model_config
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model_config)
         self.input_processor = InputProcessor(config.model_config, self.tokenizer, config.structured_outputs_backend,
-                                              config.max_logprobs)
+                                              config.max_logprobs, config.scheduler_config.scheduling_policy)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats_listeners: list[StatsListener] = []
         self.dead_event = asyncio.Event()
@@ -215,7 +215,8 @@ class AsyncLLM:
         return self.dead_reason is not None
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                    stream: RequestStream | None = None, arrival_time: float | None = None) -> RequestStream:
+                    stream: RequestStream | None = None, arrival_time: float | None = None,
+                    priority: int = 0) -> RequestStream:
         """Validate and submit one prompt (its n children); raises InvalidInputError (a ValueError) on bad input.
 
         Pass the same stream for several prompts to read all their outputs from one queue.
@@ -224,7 +225,7 @@ class AsyncLLM:
         if request_id in self._timings:
             raise InvalidInputError(f"Request id {request_id!r} is already running", param="request_id")
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        children, prompt_text = self.input_processor.process(request_id, prompt, params, arrival)
+        children, prompt_text = self.input_processor.process(request_id, prompt, params, arrival, priority)
         stream = stream if stream is not None else RequestStream()
         self.output_processor.add_request(request_id, children, prompt_text, RequestOutputKind.DELTA)
         self._streams[request_id] = stream

@@ -45,8 +45,9 @@ def check_structured_outputs(params: SamplingParams, backend: str) -> None:
 
 class InputProcessor:
     def __init__(self, model_config: ModelConfig, tokenizer: Any, structured_outputs_backend: str = "xgrammar",
-                 max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> None:
+                 max_logprobs: int = DEFAULT_MAX_LOGPROBS, scheduling_policy: str = "fcfs") -> None:
         self.model_config = model_config
+        self.scheduling_policy = scheduling_policy
         self.max_logprobs = max_logprobs  # -1: no limit
         self.structured_outputs_backend = structured_outputs_backend
         self.tokenizer = tokenizer
@@ -83,8 +84,10 @@ class InputProcessor:
         prompt: PromptType,
         params: SamplingParams,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> tuple[list[Request], str | None]:
         """The n engine Requests of one prompt, and the prompt's text (None for token-id prompts)."""
+        self.check_priority(priority)
         prompt_ids, text = self.tokenize(prompt)
         if params.bad_words:
             params = dataclasses.replace(params, bad_words_token_ids=self.bad_words_token_ids(params.bad_words))
@@ -103,8 +106,17 @@ class InputProcessor:
                 extra_eos_token_ids=self.model_config.extra_eos_token_ids,
                 arrival_time=arrival_time,
                 max_model_len=self.max_model_len,
+                priority=priority,
             ))
         return children, text
+
+    def check_priority(self, priority: int) -> None:
+        """A priority other than 0 needs the priority scheduling policy (as vLLM): never accepted and ignored."""
+        check_field(isinstance(priority, int) and not isinstance(priority, bool), "priority", priority,
+                    "must be an integer")
+        check_field(priority == 0 or self.scheduling_policy == "priority", "priority", priority,
+                    "needs the priority scheduling policy (--scheduling-policy priority); this engine schedules "
+                    f"{self.scheduling_policy}, where only 0 is allowed")
 
     def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each word's token ids alone and after a space (where that is another token sequence of the

@@ -48,7 +48,8 @@ class LLM:
                 executor.shutdown()
                 raise
         self.input_processor = InputProcessor(self.config.model_config, self.tokenizer,
-                                              self.config.structured_outputs_backend, self.config.max_logprobs)
+                                              self.config.structured_outputs_backend, self.config.max_logprobs,
+                                              self.config.scheduler_config.scheduling_policy)
         self.output_processor = OutputProcessor(self.tokenizer)
         try:
             self.engine_core = EngineCore(self.config, executor)
@@ -69,13 +70,18 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in input order."""
+        """One RequestOutput per prompt, in input order. priority: one per prompt, lower runs earlier
+        (only under scheduling_policy "priority"; vLLM's keyword)."""
         prompt_list = _as_prompt_list(prompts)
         if not prompt_list:
             return []
         params_list = self._params_list(sampling_params, len(prompt_list))
-        return self._run(prompt_list, params_list, use_tqdm)
+        if priority is not None and len(priority) != len(prompt_list):
+            raise InvalidInputError(f"priority must have one entry per prompt ({len(prompt_list)}), got "
+                                    f"{len(priority)}", param="priority")
+        return self._run(prompt_list, params_list, use_tqdm, list(priority or [0] * len(prompt_list)))
 
     def chat(
         self,
@@ -206,13 +212,14 @@ class LLM:
                                     f"got {len(params)}", param="sampling_params")
         return params
 
-    def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool,
+             priorities: list[int] | None = None) -> list[RequestOutput]:
         self._check_alive()
         # Validate every prompt before adding any, so a bad one leaves the engine untouched.
         batch: list[tuple[str, list[Request], str | None]] = []
-        for prompt, prompt_params in zip(prompts, params, strict=True):
+        for prompt, prompt_params, priority in zip(prompts, params, priorities or [0] * len(prompts), strict=True):
             request_id = str(next(self._request_counter))
-            children, text = self.input_processor.process(request_id, prompt, prompt_params)
+            children, text = self.input_processor.process(request_id, prompt, prompt_params, priority=priority)
             batch.append((request_id, children, text))
         position = {request_id: index for index, (request_id, _, _) in enumerate(batch)}
         results: list[RequestOutput | None] = [None] * len(batch)

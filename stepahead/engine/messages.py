@@ -26,16 +26,17 @@ class EngineRequest(msgspec.Struct, array_like=True):
     max_tokens: int  # resolved by the frontend (None in the params means the rest of the context)
     cache_salt: str | None = None
     extra_eos_token_ids: tuple[int, ...] = ()
+    priority: int = 0
 
     @staticmethod
     def from_request(req: Request) -> EngineRequest:
         return EngineRequest(req.request_id, req.prompt_token_ids, req.sampling_params, req.eos_token_id,
-                             req.arrival_time, req.max_tokens, req.cache_salt, req.extra_eos_token_ids)
+                             req.arrival_time, req.max_tokens, req.cache_salt, req.extra_eos_token_ids, req.priority)
 
     def to_request(self) -> Request:
         req = Request(self.request_id, self.prompt_token_ids, self.sampling_params,
                       eos_token_id=self.eos_token_id, arrival_time=self.arrival_time, cache_salt=self.cache_salt,
-                      extra_eos_token_ids=tuple(self.extra_eos_token_ids))
+                      extra_eos_token_ids=tuple(self.extra_eos_token_ids), priority=self.priority)
         req.max_tokens = self.max_tokens
         return req
 

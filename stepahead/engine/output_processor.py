@@ -45,6 +45,20 @@ def fast_decoder(tokenizer: Any) -> Any:
     return tokenizer.decode
 
 
+def _joining_adjacent_special(decode: Any, added_ids: set[int]) -> Any:
+    """decode, with each added token that follows another decoded apart from it, so that no space
+    comes between the two (spaces_between_special_tokens False)."""
+    if not added_ids:
+        return decode
+
+    def joined(ids: list[int], **kwargs: Any) -> str:
+        cuts = [i for i in range(1, len(ids)) if ids[i] in added_ids and ids[i - 1] in added_ids]
+        bounds = [0, *cuts, len(ids)]
+        return "".join(decode(ids[a:b], **kwargs) for a, b in zip(bounds, bounds[1:], strict=False))
+
+    return joined
+
+
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text, emitting only complete characters.
 
@@ -53,8 +67,11 @@ class IncrementalDetokenizer:
     across tokens) and waits for the next token.
     """
 
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool) -> None:
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool,
+                 spaces_between_special_tokens: bool = True) -> None:
         self._decode = fast_decoder(tokenizer)
+        if not (skip_special_tokens or spaces_between_special_tokens):
+            self._decode = _joining_adjacent_special(self._decode, set(getattr(tokenizer, "added_tokens_decoder", ())))
         self._skip = skip_special_tokens
         self._ids = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         self._prefix_offset = 0
@@ -165,7 +182,8 @@ class OutputProcessor:
                 index=index,
                 engine_id=req.request_id,
                 params=params,
-                detok=IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens),
+                detok=IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens,
+                                             params.spaces_between_special_tokens),
                 logprobs=[] if params.logprobs is not None else None,
             ))
         parent = _Parent(request_id, prompt, prompt_ids, output_kind, children)
@@ -230,22 +248,32 @@ class OutputProcessor:
             return not output.finished
 
     def _update_child(self, child: _Completion, output: EngineCoreOutput) -> bool:
-        """Apply one step's news; True when a stop string finished a request the engine still runs."""
+        """Apply one step's news; True when a stop string finished a request the engine still runs.
+
+        With stop strings, a step's tokens (several where drafts were accepted) are taken one at a time:
+        the first that completes a stop string ends the output, and those after it are dropped, as
+        plain decoding would never have sampled them (a stop token among them included)."""
         new_ids = output.new_token_ids
-        child.token_ids.extend(new_ids)
-        if child.logprobs is not None and output.new_logprobs:
-            child.logprobs.extend(self._logprob_dict(token_logprobs) for token_logprobs in output.new_logprobs)
         # A stop token (EOS or stop_token_ids) ends the output but is not part of its text.
         stopped_on_token = output.finish_reason == "stop" and not isinstance(output.stop_reason, str)
-        text_ids = new_ids
-        if stopped_on_token and new_ids and not child.params.include_stop_str_in_output:
-            text_ids = new_ids[:-1]
-        old_len = len(child.text)
-        child.text += child.detok.append(text_ids)
-        if output.finished:
-            child.text += child.detok.flush()
-        if not stopped_on_token and child.params.stop and self._check_stop_strings(child, old_len):
-            return not output.finished
+        pieces = [[token] for token in new_ids] if child.params.stop and new_ids else [new_ids]
+        taken = 0
+        for piece in pieces:
+            taken += len(piece)
+            child.token_ids.extend(piece)
+            if child.logprobs is not None and output.new_logprobs:
+                piece_logprobs = output.new_logprobs[taken - len(piece):taken]
+                child.logprobs.extend(self._logprob_dict(token_logprobs) for token_logprobs in piece_logprobs)
+            last = taken == len(new_ids)
+            on_stop_token = last and stopped_on_token
+            text_ids = piece[:-1] if on_stop_token and piece and not child.params.include_stop_str_in_output \
+                else piece
+            old_len = len(child.text)
+            child.text += child.detok.append(text_ids)
+            if last and output.finished:
+                child.text += child.detok.flush()
+            if not on_stop_token and child.params.stop and self._check_stop_strings(child, old_len):
+                return not output.finished
         if output.finished:
             child.finish_reason = output.finish_reason
             child.stop_reason = output.stop_reason

@@ -25,12 +25,12 @@ class Harness:
                  num_blocks: int = 64, budget: int = 64, max_num_seqs: int = 16, max_model_len: int = 128,
                  caching: bool = True, eos_at: dict[str, int] | None = None,
                  chunked: bool = True, num_spec_tokens: int = 0, draft_seed: int = 0,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, scheduling_policy: str = "fcfs") -> None:
         cls = AsyncScheduler if is_async else Scheduler
         self.sched: Scheduler = cls(
             SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                             max_model_len=max_model_len, enable_chunked_prefill=chunked,
-                            num_speculative_tokens=num_spec_tokens),
+                            num_speculative_tokens=num_spec_tokens, scheduling_policy=scheduling_policy),
             CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=caching,
                         sliding_window=sliding_window))
         self.depth = depth if depth is not None else (2 if is_async else 1)
@@ -43,11 +43,11 @@ class Harness:
         self.outputs: list[EngineCoreOutput] = []
 
     def add(self, rid: str, prompt: list[int], max_tokens: int | None = 8, eos_at: int | None = None,
-            **params) -> Request:
+            priority: int = 0, **params) -> Request:
         if eos_at is not None:
             self.model.eos_at[rid] = eos_at
         req = Request(rid, prompt, SamplingParams(max_tokens=max_tokens, **params), eos_token_id=EOS,
-                      max_model_len=self.sched.max_model_len)
+                      max_model_len=self.sched.max_model_len, priority=priority)
         self.sched.add_request(req)
         self.finished.pop(rid, None)
         self.delivered.pop(rid, None)

@@ -1,5 +1,6 @@
 """Property tests: random adds, steps, outputs with random EOS, aborts, resets and tight pools, with
-and without random drafts and acceptance, with and without a sliding window.
+and without random drafts and acceptance, with and without a sliding window, under the fcfs and the
+priority scheduling policy (random priorities: urgent requests displace running ones).
 
 The harness checks the invariants after every operation; at the end every request must have
 received exactly the scripted tokens (async == sync, preempted == unpreempted, cached == uncached)
@@ -31,6 +32,7 @@ configs = st.fixed_dictionaries({
     "draft_seed": st.integers(0, 1000),
     # Every layer windowed: blocks out of the window go back to the pool as requests advance.
     "sliding_window": st.sampled_from([None, None, 2, 3, 5, 8]),
+    "scheduling_policy": st.sampled_from(["fcfs", "priority"]),
 })
 
 ops = st.lists(
@@ -75,7 +77,8 @@ def test_random_programs_keep_invariants_and_tokens(cfg, program, data):
             prompt = [10 + base] * (plen // 2) + [20 + (arg % 5)] * (plen - plen // 2)
             max_tokens = 1 + (arg // 3) % 10
             eos_at = data.draw(st.integers(0, 6), label="eos_at")
-            h.add(rid, prompt, max_tokens=max_tokens, eos_at=eos_at)
+            priority = data.draw(st.integers(0, 3), label="priority") if cfg["scheduling_policy"] == "priority" else 0
+            h.add(rid, prompt, max_tokens=max_tokens, eos_at=eos_at, priority=priority)
             plan[rid] = (plen, max_tokens, eos_at)
             aborted.discard(rid)
         elif op == "step":
@@ -99,7 +102,7 @@ def test_random_programs_keep_invariants_and_tokens(cfg, program, data):
         n, reason = _expected(h, rid, plen, max_tokens, eos_at)
         assert got == h.expected_tokens(rid, n), rid
         assert h.finished[rid].finish_reason == reason
-    event(f"preempted: {h.sched.num_preemptions > 0}")
+    event(f"preempted: {h.sched.num_preemptions > 0} ({cfg['scheduling_policy']})")
     event(f"wasted: {h.sched.num_wasted_request_steps > 0}")
     event(f"prefix hits: {h.sched.kv_cache_manager.prefix_cache_hits > 0}")
     if cfg["sliding_window"]:

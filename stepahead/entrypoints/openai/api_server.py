@@ -52,6 +52,7 @@ from stepahead.entrypoints.openai.request_limits import (
 from stepahead.entrypoints.openai.responses_input import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
 from stepahead.entrypoints.openai.responses_protocol import ResponsesRequest
 from stepahead.entrypoints.openai.server_args import make_parser
+from stepahead.entrypoints.openai.server_load import ServerLoad, ServerLoadTracking
 from stepahead.entrypoints.openai.serving_chat import OpenAIServingChat, message_chars, render_chat
 from stepahead.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from stepahead.entrypoints.openai.serving_responses import OpenAIServingResponses
@@ -87,12 +88,14 @@ def build_app(engine: AsyncLLM, model: ServedModel, api_key: str | None = None,
               reasoning_parser: str | None = None,
               max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
               enable_prompt_tokens_details: bool = False, metrics_prefix: str = "stepahead",
-              return_tokens_as_token_ids: bool = False, enable_tokenizer_info_endpoint: bool = False) -> FastAPI:
+              return_tokens_as_token_ids: bool = False, enable_tokenizer_info_endpoint: bool = False,
+              enable_server_load_tracking: bool = False) -> FastAPI:
     """tool_parser: the --tool-call-parser for tool_choice "auto"; None refuses "auto". reasoning_parser:
     the --reasoning-parser; None leaves the output whole. max_stored_responses: /v1/responses kept for
     previous_response_id. enable_prompt_tokens_details: usage counts the prompt tokens the prefix cache
     held. metrics_prefix: "stepahead" or "vllm", the metric families' prefix. return_tokens_as_token_ids:
-    the default of the request field. enable_tokenizer_info_endpoint: serve GET /tokenizer_info."""
+    the default of the request field. enable_tokenizer_info_endpoint: serve GET /tokenizer_info.
+    enable_server_load_tracking: GET /load counts the generation requests in progress (else it stays 0)."""
     state = state or ServerState()
     limits = limits or RequestLimits(model.max_model_len,
                                      default_max_sequences(engine.config.scheduler_config.max_num_seqs))
@@ -102,6 +105,9 @@ def build_app(engine: AsyncLLM, model: ServedModel, api_key: str | None = None,
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
+    load = ServerLoad()
+    if enable_server_load_tracking:
+        app.add_middleware(ServerLoadTracking, load=load)
     metrics = ServerMetrics(model.name, model.max_model_len, engine.get_stats, METRICS_PREFIXES[metrics_prefix],
                             engine.config.cache_config, engine.config.scheduler_config.max_num_batched_tokens)
     engine.stats_listeners.append(metrics.record)
@@ -124,6 +130,10 @@ def build_app(engine: AsyncLLM, model: ServedModel, api_key: str | None = None,
     @app.get("/health")
     async def health() -> Response:
         return Response(status_code=503 if engine.is_dead else 200, media_type="text/plain")
+
+    @app.get("/load")
+    async def server_load() -> dict:
+        return {"server_load": load.num_requests}
 
     @app.get("/version")
     async def version() -> dict:
@@ -327,7 +337,8 @@ async def run_server(ns: argparse.Namespace) -> int:
     app = build_app(engine, model, api_key, state, limits, ns.max_request_bytes,
                     ns.tool_call_parser if ns.enable_auto_tool_choice else None, ns.reasoning_parser,
                     ns.max_stored_responses, ns.enable_prompt_tokens_details, ns.metrics_prefix,
-                    ns.return_tokens_as_token_ids, ns.enable_tokenizer_info_endpoint)
+                    ns.return_tokens_as_token_ids, ns.enable_tokenizer_info_endpoint,
+                    ns.enable_server_load_tracking)
     paths = [route.path for route in app.routes]  # type: ignore[attr-defined]  # every route here has a path
     routes = ", ".join(sorted(path for path in paths if not path.startswith(("/docs", "/redoc", "/openapi"))))
     logger.info("Routes: %s", routes)

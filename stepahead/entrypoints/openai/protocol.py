@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
@@ -20,6 +20,11 @@ _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _MAX_COUNT = 2**31 - 1  # token counts and the like: anything larger is a mistake
 TokenId = Annotated[StrictInt, Field(ge=-(2**31), le=2**31 - 1)]  # true/false are not token ids; the vocabulary check names bad ones
 LogitBias = Annotated[float, Field(ge=-100.0, le=100.0)]  # OpenAI's range
+
+
+# OpenAI's reasoning efforts (chat's reasoning_effort, the Responses API's reasoning.effort).
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high"]
+REASONING_EFFORTS: tuple[str, ...] = get_args(ReasoningEffort)
 
 
 def random_id(prefix: str) -> str:
@@ -73,6 +78,9 @@ class SamplingFields(OpenAIRequest):
     bad_words: list[str] | None = None  # vLLM's: words the output never completes
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM's: with skip_special_tokens false, false joins a special token right after another without
+    # the space the tokenizer's decoder may put between them
+    spaces_between_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -89,8 +97,15 @@ class SamplingFields(OpenAIRequest):
     truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=-1, le=_MAX_COUNT)
     truncation_side: Literal["left", "right"] | None = None
     return_token_ids: bool | None = None  # vLLM's: the prompt's and the output's token ids in the response
-    # vLLM fields stepahead does not implement: declared so that setting one is a 400, never a silent ignore.
+    # vLLM's: lower runs earlier under --scheduling-policy priority; anything but 0 is a 400 under fcfs
+    priority: StrictInt = Field(default=0, ge=-(2**31), le=2**31 - 1)
+    # Fields stepahead does not implement (serving_utils.UNIMPLEMENTED_FIELDS): declared so that setting one is
+    # a 400 naming it, never a silent ignore.
     use_beam_search: bool = False
+    length_penalty: float = 1.0  # vLLM's, for beam search
+    logits_processors: list[Any] | None = None  # vLLM's, behind --logits-processor-pattern
+    thinking_token_budget: StrictInt | None = None  # vLLM's: the most reasoning tokens before the end is forced
+    prediction: dict[str, Any] | None = None  # OpenAI's predicted outputs
 
 
 class CompletionRequest(SamplingFields):
@@ -142,6 +157,9 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None  # default: "auto" with tools, else "none"
     parallel_tool_calls: bool | None = True
+    # OpenAI's: reaches the chat template as its reasoning_effort variable (chat_template_kwargs may override)
+    reasoning_effort: ReasoningEffort | None = None
+    include_reasoning: bool = True  # vLLM's: false leaves reasoning_content out (with --reasoning-parser)
 
 
 class TokenizeRequest(OpenAIRequest):
@@ -217,6 +235,7 @@ class CompletionResponse(_Response):
     object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    system_fingerprint: str | None = None  # OpenAI's; null: no backend configuration to fingerprint
 
 
 class TopLogprob(BaseModel):
@@ -264,6 +283,7 @@ class ChatCompletionResponse(_Response):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
     usage: UsageInfo
+    system_fingerprint: str | None = None  # OpenAI's; null: no backend configuration to fingerprint
     prompt_logprobs: PromptLogprobsList | None = None
     prompt_token_ids: list[int] | None = None  # return_token_ids
 

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from stepahead.entrypoints.openai.errors import APIError
 from stepahead.entrypoints.openai.protocol import (
+    REASONING_EFFORTS,
     ChatCompletionRequest,
     ChatMessage,
+    ReasoningEffort,
     ResponseFormat,
     StreamOptions,
     ToolCall,
@@ -154,7 +156,6 @@ def _response_format(req: ResponsesRequest) -> ResponseFormat | None:
 
 
 OUTPUT_LOGPROBS = "message.output_text.logprobs"  # the one `include` value served
-REASONING_EFFORTS = ("minimal", "low", "medium", "high")
 SERVICE_TIERS = ("auto", "default")
 
 
@@ -209,7 +210,7 @@ def chat_request(req: ResponsesRequest, history: list[ChatMessage]) -> tuple[Cha
     if req.instructions:
         messages = [ChatMessage(role="system", content=req.instructions), *conversation]
     stream_options = StreamOptions(include_usage=True) if req.stream else None
-    effort = req.reasoning.effort if req.reasoning is not None else None
+    effort = cast(ReasoningEffort | None, req.reasoning.effort if req.reasoning is not None else None)  # checked
     logprobs = wants_logprobs(req)
     chat = ChatCompletionRequest(
         model=req.model, messages=messages, max_completion_tokens=req.max_output_tokens,
@@ -217,6 +218,6 @@ def chat_request(req: ResponsesRequest, history: list[ChatMessage]) -> tuple[Cha
         tools=chat_tools(req.tools), tool_choice=chat_tool_choice(req.tool_choice),
         parallel_tool_calls=req.parallel_tool_calls, stream=req.stream, stream_options=stream_options,
         response_format=_response_format(req), user=req.user,
-        chat_template_kwargs={"reasoning_effort": effort} if effort is not None else None,
-        logprobs=logprobs, top_logprobs=(req.top_logprobs or 0) if logprobs else None)
+        reasoning_effort=effort,
+        logprobs=logprobs, top_logprobs=(req.top_logprobs or 0) if logprobs else None, priority=req.priority)
     return chat, conversation

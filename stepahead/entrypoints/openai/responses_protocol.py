@@ -71,3 +71,4 @@ class ResponsesRequest(OpenAIRequest):
     stream_options: dict[str, Any] | None = None
     conversation: str | dict[str, Any] | None = None
     prompt: dict[str, Any] | None = None
+    priority: StrictInt = Field(default=0, ge=-(2**31), le=2**31 - 1)  # vLLM's, as on chat completions

@@ -52,6 +52,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--return-tokens-as-token-ids", action="store_true",
                        help='logprobs name tokens "token_id:N" unless a request says otherwise (its '
                             "return_tokens_as_token_ids field)")
+    group.add_argument("--enable-server-load-tracking", action="store_true",
+                       help="GET /load counts the generation requests in progress, from arrival to the last byte of "
+                            "the response (vLLM's server_load; 0 without this flag)")
     group.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                        help="serve GET /tokenizer_info: the tokenizer's configuration, chat template included")
     group.add_argument("--metrics-prefix", choices=["stepahead", "vllm"], default="stepahead",

@@ -118,6 +118,14 @@ def message_chars(messages: list[ChatMessage]) -> int:
     return total
 
 
+def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any] | None:
+    """The template's extra variables: reasoning_effort (as vLLM passes it), then chat_template_kwargs,
+    which may set it too."""
+    if req.reasoning_effort is None:
+        return req.chat_template_kwargs
+    return {"reasoning_effort": req.reasoning_effort, **(req.chat_template_kwargs or {})}
+
+
 def request_template(req: ChatCompletionRequest, trusted: bool) -> str | None:
     """The chat template the request brings (chat_template or chat_template_kwargs' chat_template), if
     the server trusts request templates; a 400 if it does not."""
@@ -237,7 +245,7 @@ class OpenAIServingChat(OpenAIServing):
         template = request_template(req, self.limits.trust_request_chat_template)
         tokenizer = self.engine.tokenizer
         text = await self.offload.run(render_chat, tokenizer, req.messages, req.add_generation_prompt,
-                                      req.continue_final_message, req.chat_template_kwargs, template,
+                                      req.continue_final_message, template_kwargs(req), template,
                                       self.template_sandbox, req.tools)
         prompt_ids = await self.offload.run(encode_ids, tokenizer, text, req.add_special_tokens)
         kept = truncate_prompt(req, prompt_ids, self.model.max_model_len)
@@ -296,7 +304,7 @@ class OpenAIServingChat(OpenAIServing):
             if final:
                 rest = choice.reasoning.finish()
                 split_ = ReasoningDelta(split_.reasoning + rest.reasoning, split_.content + rest.content)
-            if split_.reasoning:
+            if split_.reasoning and ctx.req.include_reasoning:
                 delta["reasoning_content"] = split_.reasoning
             text = split_.content
         if ctx.tool_plan is not None and choice.tools is None:
@@ -349,6 +357,8 @@ class OpenAIServingChat(OpenAIServing):
             content, calls = collect(stream, content)
         if ctx.echo:
             content = ctx.echo + (content or "")
+        if not ctx.req.include_reasoning:
+            reasoning = None
         return ChatChoice(index=index,
                           message=ChatResponseMessage(content=content, reasoning_content=reasoning,
                                                       tool_calls=[ChatToolCall.model_validate(c.to_openai()) for c in calls]),

@@ -63,10 +63,22 @@ class ServedModel:
             logger.warning("The following fields were present in the request but ignored: %s%s", new, full)
 
 
+# Fields that would change the output but that the engine does not implement, and why: set to anything
+# but their default, each is a 400 naming it, never a silent ignore.
+UNIMPLEMENTED_FIELDS = {
+    "use_beam_search": "beam search is not implemented",
+    "length_penalty": "it weighs beam search's candidates, and beam search is not implemented",
+    "logits_processors": "logits processors named by requests are not implemented",
+    "thinking_token_budget": "a budget of reasoning tokens is not implemented",
+    "prediction": "predicted outputs are not implemented",
+}
+
+
 def reject_unsupported(req: SamplingFields) -> None:
     """Fields that would change the output but are not implemented: a 400, never a silent ignore."""
-    if req.use_beam_search:
-        raise APIError("use_beam_search is not supported by this server", 400, "use_beam_search")
+    for name, why in UNIMPLEMENTED_FIELDS.items():
+        if getattr(req, name) != type(req).model_fields[name].default:
+            raise APIError(f"{name} is not supported by this server: {why}", 400, name)
     if req.prompt_logprobs is not None and req.stream:
         raise APIError("`prompt_logprobs` are not available when `stream=True`.", 400, "prompt_logprobs")
     if req.best_of is not None and req.best_of != req.n:
@@ -146,6 +158,7 @@ def sampling_params_of(req: SamplingFields, max_tokens: int | None, logprobs: in
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=pick(req.repetition_penalty, "repetition_penalty", 1.0),
         skip_special_tokens=req.skip_special_tokens,
+        spaces_between_special_tokens=req.spaces_between_special_tokens,
         structured_outputs=structured_outputs_of(req),
         # SamplingParams makes the keys ints (refusing any that is not); the engine checks the ids.
         logit_bias=cast(dict[int, float] | None, req.logit_bias),

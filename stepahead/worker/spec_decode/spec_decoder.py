@@ -52,12 +52,13 @@ class Proposals:
 
 def expand_rows(rows: list[RowSampling], drafts: list[list[int]]) -> list[RowSampling]:
     """One sampling row per position: row r's position j sees the drafts before it as outputs (for
-    penalties, min_tokens and a seeded row's counter), exactly as plain decoding would at that point."""
+    penalties, bad words, min_tokens and a seeded row's counter), exactly as plain decoding would at
+    that point."""
     expanded = []
     for row, row_drafts in zip(rows, drafts, strict=True):
         expanded.append(row)
         for j in range(1, len(row_drafts) + 1):
-            outputs = row.output_token_ids + row_drafts[:j] if row.params.uses_penalties else []
+            outputs = row.output_token_ids + row_drafts[:j] if row.params.reads_output_history else []
             expanded.append(RowSampling(row.params, row.prompt_token_ids, outputs, row.stop_token_ids,
                                         row.num_output_tokens + j))
     return expanded

@@ -49,8 +49,13 @@ BAD_COMPLETIONS = [
     ({"logit_bias": {"5": 101}}, "logit_bias", "less than or equal to 100"),
     ({"allowed_token_ids": [VOCAB_SIZE]}, "allowed_token_ids", "allowed_token_ids must be token ids"),
     ({"allowed_token_ids": []}, "allowed_token_ids", "must not be empty"),
-    # vLLM fields not implemented: refused by name rather than ignored.
+    # vLLM and OpenAI fields not implemented: refused by name rather than ignored.
     ({"use_beam_search": True}, "use_beam_search", "use_beam_search"),
+    ({"length_penalty": 2.0}, "length_penalty", "beam search"),
+    ({"logits_processors": ["my.Processor"]}, "logits_processors", "logits_processors"),
+    ({"thinking_token_budget": 64}, "thinking_token_budget", "thinking_token_budget"),
+    ({"prediction": {"type": "content", "content": "x"}}, "prediction", "predicted outputs"),
+    ({"priority": 3}, "priority", "--scheduling-policy priority"),
     ({"prompt_logprobs": 21}, "prompt_logprobs", "prompt_logprobs must be at most 20"),
     ({"prompt_logprobs": -2}, "prompt_logprobs", "prompt_logprobs must be -1 (the whole vocabulary) or >= 0"),
     ({"logprobs": -1}, "logprobs", "logprobs must be at most 20, the engine's max_logprobs; -1 asks for the whole vocabulary, 2048 tokens"),
@@ -147,6 +152,9 @@ def test_non_finite_numbers_are_refused(http, number):
     ({"logprobs": True, "top_logprobs": -1}, "top_logprobs", "the whole vocabulary"),
     ({"prompt_logprobs": 2, "stream": True}, "prompt_logprobs", "not available when `stream=True`"),
     ({"use_beam_search": True}, "use_beam_search", "use_beam_search"),
+    ({"thinking_token_budget": 64}, "thinking_token_budget", "reasoning tokens"),
+    ({"priority": -1}, "priority", "--scheduling-policy priority"),
+    ({"reasoning_effort": "extreme"}, "reasoning_effort", ""),
     ({"logit_bias": {"-1": 5}}, "logit_bias", "keys must be token ids"),
     ({"add_generation_prompt": True, "continue_final_message": True}, "continue_final_message", ""),
     ({"max_completion_tokens": 0}, "max_tokens", "max_tokens"),
@@ -220,6 +228,7 @@ def test_accepted_variants(http):
                      {"prompt_logprobs": None, "use_beam_search": False, "return_token_ids": False,
                       "return_tokens_as_token_ids": False}, {"logit_bias": {}}, {"logit_bias": {"5": -100}},
                      {"prompt_logprobs": 20}, {"echo": True, "logprobs": 0, "max_tokens": 0},
-                     {"bad_words": ["hello", "two words"]}):
+                     {"bad_words": ["hello", "two words"]},
+                     {"length_penalty": 1.0, "priority": 0, "spaces_between_special_tokens": False}):
         r = http.post("/v1/completions", json={**P, **override})
         assert r.status_code == 200, (override, r.text)

@@ -129,14 +129,30 @@ def test_output_text_logprobs_with_include_and_top_logprobs(client):
     assert plain.output[0].content[0].logprobs == []  # not asked for
 
 
-def test_reasoning_effort_reaches_the_template():
+def test_reasoning_effort_reaches_the_template(tiny_llama):
+    """reasoning.effort here and chat's reasoning_effort reach a real chat template as its
+    reasoning_effort variable; chat_template_kwargs may set it instead."""
+    from transformers import AutoTokenizer
+
+    from stepahead.entrypoints.openai.protocol import ChatCompletionRequest
     from stepahead.entrypoints.openai.responses_input import chat_request
     from stepahead.entrypoints.openai.responses_protocol import ResponsesRequest
+    from stepahead.entrypoints.openai.serving_chat import render_chat, template_kwargs
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama))
+    tokenizer.chat_template = "{{ reasoning_effort | default('unset') }}:{% for m in messages %}{{ m.content }}{% endfor %}"
+
+    def rendered(chat: ChatCompletionRequest) -> str:
+        return render_chat(tokenizer, chat.messages, False, False, template_kwargs(chat))
 
     chat, _ = chat_request(ResponsesRequest(input="hi", reasoning={"effort": "low"}), [])
-    assert chat.chat_template_kwargs == {"reasoning_effort": "low"}
+    assert rendered(chat) == "low:hi"
     plain, _ = chat_request(ResponsesRequest(input="hi"), [])
-    assert plain.chat_template_kwargs is None and not plain.logprobs
+    assert rendered(plain) == "unset:hi" and not plain.logprobs
+    messages = [{"role": "user", "content": "yo"}]
+    assert rendered(ChatCompletionRequest(messages=messages, reasoning_effort="high")) == "high:yo"
+    assert rendered(ChatCompletionRequest(messages=messages, reasoning_effort="high",
+                                          chat_template_kwargs={"reasoning_effort": "minimal"})) == "minimal:yo"
 
 
 @pytest.mark.parametrize(("fields", "param"), [
