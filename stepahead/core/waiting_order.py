@@ -3,7 +3,7 @@
 fcfs: arrival order; a preempted request goes back to the front. priority: by (priority, arrival
 time), lower first, so a preempted request goes back where its key puts it; requests of equal keys
 keep their arrival order. Under priority a waiting request may also take the place of a running one
-of a strictly worse priority (Scheduler._make_room_for_priority).
+of a strictly worse priority (Scheduler._displace_for).
 """
 
 from __future__ import annotations
