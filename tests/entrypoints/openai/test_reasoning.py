@@ -53,3 +53,16 @@ def test_enable_thinking_reaches_the_template(client):
             "chat_template": THINKING_TEMPLATE, "chat_template_kwargs": kwargs})
         return r.usage.prompt_tokens
     assert prompt_tokens({"enable_thinking": False}) > prompt_tokens({"enable_thinking": True})
+
+
+def test_include_reasoning_false_leaves_the_reasoning_out(client):
+    """This model's whole output is reasoning: with include_reasoning false, neither the message nor the
+    stream's deltas carry it."""
+    kw = dict(model="x", messages=ASK, temperature=0, max_tokens=8)
+    shown = client.chat.completions.create(**kw).choices[0].message
+    hidden = client.chat.completions.create(**kw, extra_body={"include_reasoning": False}).choices[0].message
+    assert shown.reasoning_content and not shown.content
+    assert hidden.reasoning_content is None and not hidden.content
+    chunks = list(client.chat.completions.create(**kw, stream=True, extra_body={"include_reasoning": False}))
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert not [c for c in chunks if getattr(c.choices[0].delta, "reasoning_content", None)]
