@@ -120,11 +120,13 @@ def message_chars(messages: list[ChatMessage]) -> int:
 
 
 def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any] | None:
-    """The template's extra variables: reasoning_effort (as vLLM passes it), then chat_template_kwargs,
-    which may set it too."""
-    if req.reasoning_effort is None:
+    """The template's extra variables: reasoning_effort and documents (as vLLM passes them), then
+    chat_template_kwargs, which may set them too."""
+    server_set = {name: value for name, value in (("reasoning_effort", req.reasoning_effort),
+                                                  ("documents", req.documents)) if value is not None}
+    if not server_set:
         return req.chat_template_kwargs
-    return {"reasoning_effort": req.reasoning_effort, **(req.chat_template_kwargs or {})}
+    return server_set | (req.chat_template_kwargs or {})
 
 
 def request_template(req: ChatCompletionRequest, trusted: bool) -> str | None:
@@ -262,7 +264,7 @@ class OpenAIServingChat(OpenAIServing):
             params.structured_outputs.reasoning_start_token_ids = tokens.reasoning_start
         if tokens.reasoning_keeps_special or (tokens.tools_keep_special and plan is not None and plan.mode == "auto"):
             params.skip_special_tokens = False  # the parsers read markers that are special tokens
-        request_id = random_id("chatcmpl")
+        request_id = random_id("chatcmpl", req.request_id)
         try:
             stream = self.add_request(req, request_id, prompt, params)
         except InvalidInputError as e:

@@ -22,7 +22,7 @@ MODEL = "tiny-long"
 def server(tiny_model_factory):
     model = tiny_model_factory("llama", max_position_embeddings=2048)
     srv = RemoteServer(model, "--served-model-name", MODEL, "--scheduling-policy", "priority", "--max-num-seqs", "1",
-                       "--enable-server-load-tracking", "--executor", "uni")
+                       "--enable-server-load-tracking", "--enable-prompt-tokens-details", "--executor", "uni")
     yield srv
     srv.stop()
 
@@ -58,6 +58,24 @@ def test_a_later_request_with_a_better_priority_finishes_first(server):
         later.join()
         assert finished == ["later", "earlier"]
         assert wait_until(lambda: _load(http) == 0)
+
+
+def test_cache_salt_and_request_id(server):
+    """A prompt cached under one salt is not found under another; the client's request_id names the response."""
+    body = {"model": MODEL, "prompt": [5 + i for i in range(64)], "max_tokens": 2, "temperature": 0}
+    with httpx.Client(base_url=server.url, timeout=300) as http:
+        def cached(**fields) -> int:
+            r = http.post("/v1/completions", json=body | fields)
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        assert cached(cache_salt="tenant-a") == 0
+        assert cached(cache_salt="tenant-a") == 48  # whole blocks of 16, the last position recomputed
+        assert cached(cache_salt="tenant-b") == 0
+        assert cached() == 0
+        r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                                    "max_tokens": 1, "request_id": "my-id-7"})
+        assert r.json()["id"] == "chatcmpl-my-id-7"
 
 
 def test_priority_is_refused_under_fcfs_offline(tiny_llama):
