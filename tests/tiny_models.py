@@ -30,23 +30,35 @@ def _training_text() -> list[str]:
     return [f.read_text(errors="ignore") for f in files]
 
 
-@functools.lru_cache(maxsize=1)
-def _tokenizer_json() -> str:
+@functools.lru_cache(maxsize=4)
+def _trained_tokenizer(marker_tokens: tuple[str, ...] = ()) -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=VOCAB_SIZE, special_tokens=SPECIAL_TOKENS + list(marker_tokens),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
     tok.train_from_iterator(_training_text(), trainer=trainer)
     return tok.to_str()
 
 
-def write_tokenizer(folder: Path) -> None:
+def _tokenizer_json(marker_tokens: tuple[str, ...], special: bool) -> str:
+    spec = json.loads(_trained_tokenizer(marker_tokens))
+    for added in spec["added_tokens"]:
+        if added["content"] in marker_tokens:
+            added["special"] = special  # ordinary, as Qwen's <think> (decoding keeps it), or special
+    return json.dumps(spec)
+
+
+def write_tokenizer(folder: Path, marker_tokens: tuple[str, ...] = (), special: bool = False) -> None:
+    """marker_tokens: format markers (`<think>`, `<tool_call>`) the tokenizer holds as single tokens, within
+    the same vocabulary size, for the parsers that need them (entrypoints/openai/parser_tokens.py): ordinary
+    added tokens, or special ones (as Magistral's [THINK]: decoding skips them unless told not to)."""
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "tokenizer.json").write_text(_tokenizer_json())
+    (folder / "tokenizer.json").write_text(_tokenizer_json(tuple(marker_tokens), special))
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": None,
@@ -160,13 +172,13 @@ def build_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **overrid
     return folder
 
 
-def build_scripted_model(folder: Path, successors: dict[int, int]) -> Path:
+def build_scripted_model(folder: Path, successors: dict[int, int], marker_tokens: tuple[str, ...] = ()) -> Path:
     """A tiny Llama that says a fixed text: a bigram model whose greedy next token after `a` is
     successors[a]. Every layer adds nothing to the residual stream (o_proj and down_proj are zero), so
     the last hidden state is the token's own embedding, and the head scores b by the normalized
     embedding of its predecessor (random 64-wide embeddings are near orthogonal: a margin of tens of
     logits). Chain the successors to script an output; after a token without one the logits are near
-    zero, so a grammar there chooses among equals."""
+    zero, so a grammar there chooses among equals. marker_tokens: as write_tokenizer's."""
     import torch
     import transformers
 
@@ -183,7 +195,7 @@ def build_scripted_model(folder: Path, successors: dict[int, int]) -> Path:
             head[b] = 10.0 * embeddings[a] / embeddings[a].norm()
         model.lm_head.weight.copy_(head)
     model.save_pretrained(folder)
-    write_tokenizer(folder)
+    write_tokenizer(folder, marker_tokens)
     return folder
 
 

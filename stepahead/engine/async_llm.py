@@ -216,7 +216,7 @@ class AsyncLLM:
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     stream: RequestStream | None = None, arrival_time: float | None = None,
-                    priority: int = 0) -> RequestStream:
+                    priority: int = 0, cache_salt: str | None = None) -> RequestStream:
         """Validate and submit one prompt (its n children); raises InvalidInputError (a ValueError) on bad input.
 
         Pass the same stream for several prompts to read all their outputs from one queue.
@@ -225,7 +225,8 @@ class AsyncLLM:
         if request_id in self._timings:
             raise InvalidInputError(f"Request id {request_id!r} is already running", param="request_id")
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        children, prompt_text = self.input_processor.process(request_id, prompt, params, arrival, priority)
+        children, prompt_text = self.input_processor.process(request_id, prompt, params, arrival, priority,
+                                                             cache_salt)
         stream = stream if stream is not None else RequestStream()
         self.output_processor.add_request(request_id, children, prompt_text, RequestOutputKind.DELTA)
         self._streams[request_id] = stream

@@ -85,6 +85,7 @@ class InputProcessor:
         params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> tuple[list[Request], str | None]:
         """The n engine Requests of one prompt, and the prompt's text (None for token-id prompts)."""
         self.check_priority(priority)
@@ -107,6 +108,7 @@ class InputProcessor:
                 arrival_time=arrival_time,
                 max_model_len=self.max_model_len,
                 priority=priority,
+                cache_salt=cache_salt,
             ))
         return children, text
 

@@ -98,3 +98,19 @@ def test_same_tokens_across_configs(tiny_llama, baseline, name):
         assert config.attention_backend == "triton"
     if name.startswith("chunked"):
         assert config.scheduler_config.max_num_batched_tokens == 8
+
+
+@pytest.mark.parametrize("is_async", [True, False])
+def test_priorities_preempting_each_other_give_the_same_tokens(tiny_llama, baseline, is_async):
+    """Under the priority policy, with a pool too small for every request, urgent requests take the blocks
+    of running ones (preempting them with steps in flight): every request keeps its tokens."""
+    priorities = [3, 0, 2, 1, 0, 4]
+    with LLM(str(tiny_llama), executor="uni", max_model_len=MAX_MODEL_LEN, scheduling_policy="priority",
+             num_kv_blocks=10, async_scheduling=is_async) as llm:
+        prompts = [{"prompt_token_ids": p} for p in _prompts()]
+        greedy = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False, priority=priorities)]
+        seeded = [o.outputs[0].token_ids for o in llm.generate(prompts, SEEDED, use_tqdm=False, priority=priorities)]
+        assert llm.config.scheduler_config.scheduling_policy == "priority"
+        assert llm.stats().preemptions > 0
+    assert greedy == baseline[0]
+    assert seeded == baseline[1][0]

@@ -201,3 +201,31 @@ def test_incomplete_character_at_the_end_is_flushed(tokenizer):
     (eid,) = _add(proc, "f", RequestOutputKind.FINAL_ONLY)
     ros, _ = proc.process_outputs([EngineCoreOutput(eid, ids, "length")])
     assert ros[0].outputs[0].text == tokenizer.decode(ids)
+
+
+def test_spaces_between_special_tokens():
+    """A WordPiece decoder puts a space between two special tokens; spaces_between_special_tokens false
+    joins a special token to the special token before it (vLLM's), and leaves every other space."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    backend.pre_tokenizer, backend.decoder = pre_tokenizers.Whitespace(), decoders.WordPiece()
+    backend.train_from_iterator(["hello world"] * 20, trainers.WordPieceTrainer(
+        vocab_size=100, special_tokens=["[UNK]", "[A]", "[B]"]))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, additional_special_tokens=["[A]", "[B]"])
+    a, b = tokenizer.convert_tokens_to_ids(["[A]", "[B]"])
+    output = [a, b, *tokenizer.encode("hello world", add_special_tokens=False), a]
+
+    def text(spaces: bool) -> str:
+        processor = OutputProcessor(tokenizer)
+        params = SamplingParams(max_tokens=8, skip_special_tokens=False, spaces_between_special_tokens=spaces)
+        prompt = tokenizer.encode("hello", add_special_tokens=False)
+        processor.add_request("r", [Request("r", prompt, params)], None, RequestOutputKind.FINAL_ONLY)
+        for i, token in enumerate(output):  # one token a step, as decoding delivers them
+            last = i == len(output) - 1
+            outs, _ = processor.process_outputs([EngineCoreOutput("r", [token], "length" if last else None)])
+        return outs[0].outputs[0].text
+
+    assert text(True) == " [A] [B] hello world [A]"
+    assert text(False) == " [A][B] hello world [A]"

@@ -17,7 +17,7 @@ import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import uvicorn
 from fastapi import Depends, FastAPI, Request
@@ -25,6 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
+from stepahead.config import ModelConfig
 from stepahead.engine.async_llm import AsyncLLM
 from stepahead.entrypoints.engine_flags import engine_args_from_namespace
 from stepahead.entrypoints.openai.errors import (
@@ -34,6 +35,7 @@ from stepahead.entrypoints.openai.errors import (
     install_error_handlers,
 )
 from stepahead.entrypoints.openai.metrics import METRICS_PREFIXES, ServerMetrics, log_stats_periodically
+from stepahead.entrypoints.openai.parser_tokens import parser_tokens
 from stepahead.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -58,6 +60,7 @@ from stepahead.entrypoints.openai.serving_completions import OpenAIServingComple
 from stepahead.entrypoints.openai.serving_responses import OpenAIServingResponses
 from stepahead.entrypoints.openai.serving_utils import ServedModel, encode_ids
 from stepahead.entrypoints.openai.tokenizer_info import tokenizer_info
+from stepahead.models.loading.loader import load_tokenizer
 
 logger = logging.getLogger("stepahead.entrypoints.openai")
 
@@ -301,6 +304,19 @@ def non_default_args(ns: argparse.Namespace, defaults: argparse.Namespace) -> di
     return changed
 
 
+def tool_parser(ns: argparse.Namespace) -> str | None:
+    """The tool-call parser the server reads "auto" calls with (none without --enable-auto-tool-choice)."""
+    return ns.tool_call_parser if ns.enable_auto_tool_choice else None
+
+
+def checked_tokenizer(model_config: ModelConfig, tool_parser: str | None, reasoning_parser: str | None) -> Any:
+    """The model's tokenizer, once it can write the parsers' markers; raises ValueError naming the ones it
+    cannot (parser_tokens.py). Loaded before the engine, so a refused configuration never loads the model."""
+    tokenizer = load_tokenizer(model_config)
+    parser_tokens(tokenizer, tool_parser, reasoning_parser)
+    return tokenizer
+
+
 async def run_server(ns: argparse.Namespace) -> int:
     api_key = resolve_api_key(ns, os.environ)
     sock = bind_socket(ns.host, ns.port)
@@ -317,7 +333,8 @@ async def run_server(ns: argparse.Namespace) -> int:
         logger.info("Model: %s (max_model_len %d, %d KV blocks of %d tokens, executor %s, async scheduling %s)",
                     config.model_config.model, config.model_config.max_model_len, config.cache_config.num_blocks,
                     config.cache_config.block_size, config.executor, config.async_scheduling)
-        engine = AsyncLLM(config, trace_path=ns.trace_file)
+        tokenizer = checked_tokenizer(config.model_config, tool_parser(ns), ns.reasoning_parser)
+        engine = AsyncLLM(config, tokenizer, trace_path=ns.trace_file)
     except ValueError as e:
         logger.error("Invalid configuration: %s", e)
         sock.close()
@@ -334,8 +351,7 @@ async def run_server(ns: argparse.Namespace) -> int:
     limits = RequestLimits(model.max_model_len,
                            ns.max_sequences_per_request or default_max_sequences(config.scheduler_config.max_num_seqs),
                            ns.trust_request_chat_template)
-    app = build_app(engine, model, api_key, state, limits, ns.max_request_bytes,
-                    ns.tool_call_parser if ns.enable_auto_tool_choice else None, ns.reasoning_parser,
+    app = build_app(engine, model, api_key, state, limits, ns.max_request_bytes, tool_parser(ns), ns.reasoning_parser,
                     ns.max_stored_responses, ns.enable_prompt_tokens_details, ns.metrics_prefix,
                     ns.return_tokens_as_token_ids, ns.enable_tokenizer_info_endpoint,
                     ns.enable_server_load_tracking)

@@ -27,8 +27,9 @@ ReasoningEffort = Literal["none", "minimal", "low", "medium", "high"]
 REASONING_EFFORTS: tuple[str, ...] = get_args(ReasoningEffort)
 
 
-def random_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+def random_id(prefix: str, chosen: str | None = None) -> str:
+    """prefix-<chosen>, or prefix-<random hex> when the client chose no id."""
+    return f"{prefix}-{chosen if chosen is not None else uuid.uuid4().hex}"
 
 
 class OpenAIRequest(BaseModel):
@@ -99,6 +100,10 @@ class SamplingFields(OpenAIRequest):
     return_token_ids: bool | None = None  # vLLM's: the prompt's and the output's token ids in the response
     # vLLM's: lower runs earlier under --scheduling-policy priority; anything but 0 is a 400 under fcfs
     priority: StrictInt = Field(default=0, ge=-(2**31), le=2**31 - 1)
+    # vLLM's: the response's id is built from it (one in use by a running request is a 400)
+    request_id: str | None = Field(default=None, min_length=1, max_length=256)
+    # vLLM's: isolates this client's prefix-cache entries (blocks hashed with the salt match only the same salt)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
     # Fields stepahead does not implement (serving_utils.UNIMPLEMENTED_FIELDS): declared so that setting one is
     # a 400 naming it, never a silent ignore.
     use_beam_search: bool = False
@@ -106,6 +111,11 @@ class SamplingFields(OpenAIRequest):
     logits_processors: list[Any] | None = None  # vLLM's, behind --logits-processor-pattern
     thinking_token_budget: StrictInt | None = None  # vLLM's: the most reasoning tokens before the end is forced
     prediction: dict[str, Any] | None = None  # OpenAI's predicted outputs
+    guided_decoding_backend: str | None = None  # vLLM's older per-request backend choice
+    guided_whitespace_pattern: str | None = None  # vLLM's older spelling of structured_outputs.whitespace_pattern
+    mm_processor_kwargs: dict[str, Any] | None = None  # vLLM's, for multimodal processors
+    kv_transfer_params: dict[str, Any] | None = None  # vLLM's, for disaggregated serving
+    vllm_xargs: dict[str, Any] | None = None  # vLLM's, for custom extensions
 
 
 class CompletionRequest(SamplingFields):
@@ -160,6 +170,7 @@ class ChatCompletionRequest(SamplingFields):
     # OpenAI's: reaches the chat template as its reasoning_effort variable (chat_template_kwargs may override)
     reasoning_effort: ReasoningEffort | None = None
     include_reasoning: bool = True  # vLLM's: false leaves reasoning_content out (with --reasoning-parser)
+    documents: list[dict[str, Any]] | None = None  # vLLM's: the chat template's documents variable (RAG templates)
 
 
 class TokenizeRequest(OpenAIRequest):

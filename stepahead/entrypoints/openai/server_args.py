@@ -39,11 +39,15 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help='let the model decide on tool calls (tool_choice "auto", the default with tools), '
                             "found in its output by --tool-call-parser")
     group.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
-                       help="how the model writes tool calls, for --enable-auto-tool-choice (hermes: Qwen, Hermes; "
-                            "llama3_json: Llama 3.x)")
+                       help="how the model writes tool calls, for --enable-auto-tool-choice (hermes: Qwen 2.5/3, "
+                            "Hermes; llama3_json: Llama 3.x; mistral: Mistral, Magistral; qwen3_coder or qwen3_xml: "
+                            "Qwen3-Coder's XML; pythonic: Llama 3.2 and 4's Python list; phi4_mini_json: Phi-4-mini); "
+                            "refused at start when the tokenizer lacks the format's own tokens")
     group.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
-                       help="split the model's reasoning (<think>...</think>) into reasoning_content on chat "
-                            "completions (deepseek_r1: the template opens the think block; qwen3: the output does)")
+                       help="split the model's reasoning into reasoning_content on chat completions (deepseek_r1: "
+                            "<think>...</think>, opened by the template; qwen3: opened by the output; mistral: "
+                            "[THINK]...[/THINK]; seed_oss: <seed:think>...</seed:think>); refused at start when the "
+                            "tokenizer cannot write both markers as single tokens")
     group.add_argument("--max-stored-responses", type=int, default=DEFAULT_MAX_STORED_RESPONSES,
                        help="/v1/responses kept in memory for previous_response_id; the oldest goes first "
                             "(default: %(default)s)")

@@ -134,7 +134,8 @@ class OpenAIServing:
                     stream: RequestStream | None = None) -> RequestStream:
         """Submit one prompt; a rejection names the field the client sent."""
         try:
-            return self.engine.add_request(request_id, prompt, params, stream, priority=req.priority)
+            return self.engine.add_request(request_id, prompt, params, stream, priority=req.priority,
+                                           cache_salt=req.cache_salt)
         except InvalidInputError as e:
             e.param = grammar_param(req) if e.param == "structured_outputs" else e.param
             raise

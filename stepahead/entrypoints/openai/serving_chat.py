@@ -12,6 +12,7 @@ from fastapi.responses import Response
 
 from stepahead.engine.async_llm import RequestStream
 from stepahead.entrypoints.openai.errors import APIError
+from stepahead.entrypoints.openai.parser_tokens import parser_tokens
 from stepahead.entrypoints.openai.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -25,7 +26,7 @@ from stepahead.entrypoints.openai.protocol import (
     UsageInfo,
     random_id,
 )
-from stepahead.entrypoints.openai.reasoning import REASONING_PARSERS, closes_reasoning
+from stepahead.entrypoints.openai.reasoning import REASONING_PARSERS
 from stepahead.entrypoints.openai.reasoning.base import ReasoningDelta, ReasoningStream
 from stepahead.entrypoints.openai.reasoning.base import split as split_reasoning
 from stepahead.entrypoints.openai.serving_base import Choice, OpenAIServing, ResponseContext
@@ -119,11 +120,13 @@ def message_chars(messages: list[ChatMessage]) -> int:
 
 
 def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any] | None:
-    """The template's extra variables: reasoning_effort (as vLLM passes it), then chat_template_kwargs,
-    which may set it too."""
-    if req.reasoning_effort is None:
+    """The template's extra variables: reasoning_effort and documents (as vLLM passes them), then
+    chat_template_kwargs, which may set them too."""
+    server_set = {name: value for name, value in (("reasoning_effort", req.reasoning_effort),
+                                                  ("documents", req.documents)) if value is not None}
+    if not server_set:
         return req.chat_template_kwargs
-    return {"reasoning_effort": req.reasoning_effort, **(req.chat_template_kwargs or {})}
+    return server_set | (req.chat_template_kwargs or {})
 
 
 def request_template(req: ChatCompletionRequest, trusted: bool) -> str | None:
@@ -207,9 +210,10 @@ class OpenAIServingChat(OpenAIServing):
         super().__init__(*args, **kwargs)
         self.tool_parser = tool_parser
         self.reasoning_parser = reasoning_parser
-        # The token ids the engine's reasoning gate waits for before a grammar applies (vLLM's rule).
-        self.reasoning_markers = REASONING_PARSERS[reasoning_parser].markers(self.engine.tokenizer) \
-            if reasoning_parser is not None else None
+        # The token ids the engine's reasoning gate waits for before a grammar applies (vLLM's rule), and
+        # whether the parsers' markers are special tokens the output must keep. Raises ValueError when the
+        # tokenizer cannot write the parsers' markers (the server checks before the model loads).
+        self.parser_tokens = parser_tokens(self.engine.tokenizer, tool_parser, reasoning_parser)
         self.token_bytes = TokenBytes(self.engine.tokenizer)
         self.template_sandbox = (TemplateSandbox(self.engine.config.model_config)
                                  if self.limits.trust_request_chat_template else None)
@@ -251,13 +255,16 @@ class OpenAIServingChat(OpenAIServing):
         kept = truncate_prompt(req, prompt_ids, self.model.max_model_len)
         prompt: dict = {"prompt_token_ids": kept} if kept is not prompt_ids else {"prompt_token_ids": kept, "prompt": text}
         prompt_ids = kept
-        reasoning_closed = closes_reasoning(text)
-        if self.reasoning_markers is not None and params.structured_outputs is not None and not reasoning_closed:
+        tokens = self.parser_tokens
+        reasoning_closed = self.reasoning_parser is not None and \
+            REASONING_PARSERS[self.reasoning_parser].closes_reasoning(text)
+        if tokens.reasoning_end is not None and params.structured_outputs is not None and not reasoning_closed:
             # The model thinks freely; the grammar constrains only what follows its reasoning.
-            end, start = self.reasoning_markers
-            params.structured_outputs.reasoning_end_token_ids = end
-            params.structured_outputs.reasoning_start_token_ids = start
-        request_id = random_id("chatcmpl")
+            params.structured_outputs.reasoning_end_token_ids = tokens.reasoning_end
+            params.structured_outputs.reasoning_start_token_ids = tokens.reasoning_start
+        if tokens.reasoning_keeps_special or (tokens.tools_keep_special and plan is not None and plan.mode == "auto"):
+            params.skip_special_tokens = False  # the parsers read markers that are special tokens
+        request_id = random_id("chatcmpl", req.request_id)
         try:
             stream = self.add_request(req, request_id, prompt, params)
         except InvalidInputError as e:

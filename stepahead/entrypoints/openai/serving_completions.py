@@ -99,7 +99,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = await self.offload.run(self._tokenize_texts, prompts, req.add_special_tokens)
         if req.truncate_prompt_tokens is not None:
             prompts = [self._truncated(req, prompt) for prompt in prompts]
-        request_id = random_id("cmpl")
+        request_id = random_id("cmpl", req.request_id)
         ids = [f"{request_id}-{index}" for index in range(len(prompts))]
         stream = self._submit(req, ids, prompts, params)
         ctx = _CompletionContext(request_id, model_name, int(time.time()), req, self.shown_logprobs(req.logprobs),

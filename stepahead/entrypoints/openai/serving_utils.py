@@ -71,6 +71,11 @@ UNIMPLEMENTED_FIELDS = {
     "logits_processors": "logits processors named by requests are not implemented",
     "thinking_token_budget": "a budget of reasoning tokens is not implemented",
     "prediction": "predicted outputs are not implemented",
+    "guided_decoding_backend": "the server's --structured-outputs-backend compiles every grammar",
+    "guided_whitespace_pattern": "a whitespace pattern for JSON grammars is not implemented",
+    "mm_processor_kwargs": "requests carry text and token ids only",
+    "kv_transfer_params": "KV transfer between servers is not implemented",
+    "vllm_xargs": "no custom extension reads them",
 }
 
 
@@ -101,8 +106,9 @@ def structured_outputs_of(req: SamplingFields) -> StructuredOutputsParams | None
     """The grammar constraint of response_format, structured_outputs or the guided_* fields (whether
     the engine takes it is the input processor's check, shared with the offline LLM)."""
     structured = req.structured_outputs
-    guided = {name: value for name in ("json", "regex", "choice", "grammar")
-              if (value := getattr(req, f"guided_{name}")) is not None}
+    guided = {kind: value for field_name, kind in (("guided_json", "json"), ("guided_regex", "regex"),
+                                                   ("guided_choice", "choice"), ("guided_grammar", "grammar"))
+              if (value := getattr(req, field_name)) is not None}
     response_format = req.response_format
     asked = [name for name, given in (("response_format", response_format is not None and response_format.type != "text"),
                                       ("structured_outputs", structured is not None),

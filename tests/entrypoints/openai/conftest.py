@@ -28,3 +28,13 @@ def client(server):
 def http(server):
     with httpx.Client(base_url=server.url, timeout=120) as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def tokenizer_folder(tmp_path_factory):
+    """The tiny models' tokenizer alone (no model), for tests that tokenize or render templates."""
+    from tests.tiny_models import write_tokenizer
+
+    folder = tmp_path_factory.mktemp("tokenizer")
+    write_tokenizer(folder)
+    return folder

@@ -131,7 +131,8 @@ def test_output_text_logprobs_with_include_and_top_logprobs(client):
 
 def test_reasoning_effort_reaches_the_template(tiny_llama):
     """reasoning.effort here and chat's reasoning_effort reach a real chat template as its
-    reasoning_effort variable; chat_template_kwargs may set it instead."""
+    reasoning_effort variable (chat_template_kwargs may set it instead), and chat's documents as its
+    documents."""
     from transformers import AutoTokenizer
 
     from stepahead.entrypoints.openai.protocol import ChatCompletionRequest
@@ -153,6 +154,8 @@ def test_reasoning_effort_reaches_the_template(tiny_llama):
     assert rendered(ChatCompletionRequest(messages=messages, reasoning_effort="high")) == "high:yo"
     assert rendered(ChatCompletionRequest(messages=messages, reasoning_effort="high",
                                           chat_template_kwargs={"reasoning_effort": "minimal"})) == "minimal:yo"
+    tokenizer.chat_template = "{% for d in documents %}[{{ d.title }}]{% endfor %}{{ messages[0].content }}"
+    assert rendered(ChatCompletionRequest(messages=messages, documents=[{"title": "a"}, {"title": "b"}])) == "[a][b]yo"
 
 
 @pytest.mark.parametrize(("fields", "param"), [

@@ -9,8 +9,9 @@ import pytest
 from stepahead.entrypoints.openai.errors import APIError
 from stepahead.entrypoints.openai.tool_calling.constrained import NamedToolStream, RequiredToolStream
 from stepahead.entrypoints.openai.tool_calling.parsers import TOOL_PARSERS
-from stepahead.entrypoints.openai.tool_calling.parsers.base import StreamDelta, collect
+from stepahead.entrypoints.openai.tool_calling.parsers.base import collect
 from stepahead.entrypoints.openai.tool_calling.tools import plan_tools
+from tests.entrypoints.openai.tool_parser_checks import streamed
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -19,18 +20,7 @@ TIME = {"type": "function", "function": {"name": "get_time"}}
 
 def _streamed(stream, text: str, size: int) -> tuple[str, dict[int, dict]]:
     """Feed text in pieces of `size`; the content and the calls the deltas assemble."""
-    out = StreamDelta()
-    for i in range(0, len(text), size):
-        out += stream.feed(text[i:i + size])
-    out += stream.finish()
-    calls: dict[int, dict] = {}
-    for delta in out.tool_calls:
-        call = calls.setdefault(delta["index"], {"arguments": ""})
-        if "id" in delta:
-            assert call == {"arguments": ""}, "id and name come first, once"
-            call.update(id=delta["id"], name=delta["function"]["name"])
-        call["arguments"] += delta["function"]["arguments"]
-    return out.content, calls
+    return streamed(stream, [text[i:i + size] for i in range(0, len(text), size)])
 
 
 HERMES = ('Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa\\"ris {x}"}}\n</tool_call>\n'

@@ -8,8 +8,6 @@ from dataclasses import dataclass
 
 from stepahead.entrypoints.openai.tool_calling.parsers.base import held_prefix
 
-THINK_START, THINK_END = "<think>", "</think>"
-
 
 @dataclass
 class ReasoningDelta:
@@ -18,12 +16,13 @@ class ReasoningDelta:
 
 
 class ReasoningStream:
-    """Reasoning until THINK_END, content after it. An output opening with THINK_START (dropped) is
-    reasoning; otherwise `in_reasoning` says how it begins. Text that could begin a tag waits for the
-    next piece. may_open False: the prompt closed the reasoning, the output is all content."""
+    """Reasoning until the `end` marker, content after it. An output opening with the `start` marker
+    (dropped) is reasoning; otherwise `in_reasoning` says how it begins. Text that could begin a marker
+    waits for the next piece. may_open False: the prompt closed the reasoning, the output is all content."""
 
-    def __init__(self, in_reasoning: bool, may_open: bool = True) -> None:
-        self._in_reasoning = in_reasoning  # how the output begins when it does not open with THINK_START
+    def __init__(self, start: str, end: str, in_reasoning: bool, may_open: bool = True) -> None:
+        self._start, self._end = start, end
+        self._in_reasoning = in_reasoning  # how the output begins when it does not open with `start`
         self._decided = not may_open  # False: the output's start is still being read
         self._buffer = ""
 
@@ -32,21 +31,21 @@ class ReasoningStream:
         out = ReasoningDelta()
         if not self._decided:
             start = self._buffer.lstrip()
-            if THINK_START.startswith(start) and len(start) < len(THINK_START):
-                return out  # whitespace or part of the tag so far
+            if self._start.startswith(start) and len(start) < len(self._start):
+                return out  # whitespace or part of the marker so far
             self._decided = True
-            if start.startswith(THINK_START):
-                self._in_reasoning, self._buffer = True, start[len(THINK_START):]
+            if start.startswith(self._start):
+                self._in_reasoning, self._buffer = True, start[len(self._start):]
         if not self._in_reasoning:
             out.content, self._buffer = self._buffer, ""
             return out
-        index = self._buffer.find(THINK_END)
+        index = self._buffer.find(self._end)
         if index >= 0:
             out.reasoning = self._buffer[:index]
-            out.content = self._buffer[index + len(THINK_END):]
+            out.content = self._buffer[index + len(self._end):]
             self._in_reasoning, self._buffer = False, ""
             return out
-        keep = held_prefix(self._buffer, THINK_END)
+        keep = held_prefix(self._buffer, self._end)
         out.reasoning, self._buffer = self._buffer[:len(self._buffer) - keep], self._buffer[len(self._buffer) - keep:]
         return out
 

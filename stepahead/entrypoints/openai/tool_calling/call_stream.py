@@ -10,8 +10,13 @@ over each character; no re-parsing of what came before.
 from __future__ import annotations
 
 import json
+import secrets
+import string
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from stepahead.entrypoints.openai.tool_calling.json_span import JsonSpan
 
 ARGUMENT_KEYS = ("arguments", "parameters")
 
@@ -20,10 +25,28 @@ def tool_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
+def mistral_call_id() -> str:
+    """Nine letters and digits: Mistral's chat templates refuse any other id on the next turn."""
+    return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+
+
+def header_delta(index: int, call_id: str, name: str, arguments: str = "") -> dict:
+    """A call's first delta: its id, type and name (OpenAI sends them once, before the arguments)."""
+    return {"index": index, "id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def append_arguments(deltas: list[dict], index: int, text: str) -> None:
+    """More of a call's arguments, merged into the last delta when that is the same call's."""
+    if deltas and deltas[-1]["index"] == index:
+        deltas[-1]["function"]["arguments"] += text
+    else:
+        deltas.append({"index": index, "function": {"arguments": text}})
+
+
 @dataclass
 class _Call:
     index: int
-    id: str = field(default_factory=tool_call_id)
+    id: str
     name: str | None = None
     announced: bool = False
     waiting: str = ""  # argument text seen before the name
@@ -34,6 +57,7 @@ class CallScanner:
     """Feed it the text of the calls; `base` is the depth at which call objects open (0 alone, 1 in an array)."""
 
     base: int = 0
+    new_id: Callable[[], str] = tool_call_id  # the format's kind of call id
     calls: list[_Call] = field(default_factory=list)
     _depth: int = 0
     _in_string: bool = False
@@ -42,25 +66,21 @@ class CallScanner:
     _reading: str | None = None  # "key" or "name": what the current string at call depth is
     _key: str | None = None  # the last key read at call depth
     _expect_key: bool = False
-    _in_args: bool = False
-    _args_depth: int = 0
+    _args: JsonSpan | None = None  # inside a call's arguments: where they end
 
     def feed(self, text: str) -> list[dict]:
         deltas: list[dict] = []
-        args: list[str] = []
-        for ch in text:
-            if self._in_args:
-                args.append(ch)
-                self._scan_args(ch)
-                if not self._in_args:
-                    self._emit_args("".join(args), deltas)
-                    args = []
+        i = 0
+        while i < len(text):
+            if self._args is not None:  # the arguments' raw text goes out as it is, up to their end
+                end = self._args.end(text[i:])
+                self._emit_args(text[i:] if end < 0 else text[i:i + end], deltas)
+                if end < 0:
+                    break
+                self._args, i = None, i + end
                 continue
-            self._scan(ch, deltas)
-            if self._in_args:
-                args.append(ch)
-        if args:
-            self._emit_args("".join(args), deltas)
+            self._scan(text[i], deltas)
+            i += 1
         return deltas
 
     # -- outside the arguments ----------------------------------------------------------------------------
@@ -81,11 +101,11 @@ class CallScanner:
             return
         if ch in "{[":
             if self._depth == call_depth and not self._expect_key and self._key in ARGUMENT_KEYS:
-                self._start_args(ch)
+                self._start_args(ch, deltas)
                 return
             self._depth += 1
             if ch == "{" and self._depth == call_depth:
-                self.calls.append(_Call(len(self.calls)))
+                self.calls.append(_Call(len(self.calls), self.new_id()))
                 self._expect_key, self._key = True, None
         elif ch in "}]":
             self._depth -= 1
@@ -119,29 +139,17 @@ class CallScanner:
             call = self.calls[-1]
             call.name = value
             call.announced = True
-            deltas.append({"index": call.index, "id": call.id, "type": "function",
-                           "function": {"name": value, "arguments": ""}})
+            deltas.append(header_delta(call.index, call.id, value))
             if call.waiting:
-                self._append_args(call, call.waiting, deltas)
+                append_arguments(deltas, call.index, call.waiting)
                 call.waiting = ""
 
     # -- inside the arguments -----------------------------------------------------------------------------
 
-    def _start_args(self, ch: str) -> None:
-        self._in_args, self._args_depth, self._key = True, 1, None
-
-    def _scan_args(self, ch: str) -> None:
-        if self._in_string:
-            self._string_ends(ch)
-            return
-        if ch == '"':
-            self._in_string = True
-        elif ch in "{[":
-            self._args_depth += 1
-        elif ch in "}]":
-            self._args_depth -= 1
-            if self._args_depth == 0:
-                self._in_args = False
+    def _start_args(self, ch: str, deltas: list[dict]) -> None:
+        self._args, self._key = JsonSpan(), None
+        self._args.end(ch)
+        self._emit_args(ch, deltas)
 
     def _emit_args(self, text: str, deltas: list[dict]) -> None:
         if not self.calls or not text:
@@ -150,11 +158,4 @@ class CallScanner:
         if not call.announced:
             call.waiting += text
             return
-        self._append_args(call, text, deltas)
-
-    @staticmethod
-    def _append_args(call: _Call, text: str, deltas: list[dict]) -> None:
-        if deltas and deltas[-1]["index"] == call.index:
-            deltas[-1]["function"]["arguments"] += text
-        else:
-            deltas.append({"index": call.index, "function": {"arguments": text}})
+        append_arguments(deltas, call.index, text)

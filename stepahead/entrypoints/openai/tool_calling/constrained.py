@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from stepahead.entrypoints.openai.tool_calling.call_stream import CallScanner, tool_call_id
+from stepahead.entrypoints.openai.tool_calling.call_stream import CallScanner, header_delta, tool_call_id
 from stepahead.entrypoints.openai.tool_calling.parsers.base import StreamDelta, ToolStream
 
 
@@ -25,6 +25,5 @@ class NamedToolStream(ToolStream):
     def feed(self, text: str) -> StreamDelta:
         if not self._announced:  # one entry per call in a delta: the first text goes with the name
             self._announced = True
-            return StreamDelta(tool_calls=[{"index": 0, "id": tool_call_id(), "type": "function",
-                                            "function": {"name": self._name, "arguments": text}}])
+            return StreamDelta(tool_calls=[header_delta(0, tool_call_id(), self._name, text)])
         return StreamDelta(tool_calls=[{"index": 0, "function": {"arguments": text}}] if text else [])

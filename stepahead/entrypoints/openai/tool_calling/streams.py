@@ -18,7 +18,7 @@ def tool_stream(plan: ToolPlan | None, parser: str | None) -> ToolStream | None:
         assert plan.named is not None  # a named plan names its function
         return NamedToolStream(plan.named)
     assert parser is not None  # "auto" is refused unless the server has a tool-call parser
-    return TOOL_PARSERS[parser]()
+    return TOOL_PARSERS[parser].for_tools(plan.functions)
 
 
 def finish_reason(plan: ToolPlan | None, called: bool, reason: str | None) -> str | None:

@@ -81,7 +81,8 @@ def test_abort_metrics_reset(compat_server, http, tokenizer):
 
     def stream_then_drop() -> None:
         with httpx.Client(base_url=compat_server.url, timeout=120) as c, c.stream("POST", "/v1/completions", json=body) as r:
-            next(r.iter_lines())
+            lines = r.iter_lines()  # kept open: dropping the iterator would close the stream, aborting the request
+            next(lines)
             started.wait()
             release.wait()
 
@@ -89,9 +90,10 @@ def test_abort_metrics_reset(compat_server, http, tokenizer):
     for t in threads:
         t.start()
     started.wait()
-    running, _, kv_usage = _running(http)
+    # The gauges follow the engine's steps: wait for a snapshot taken while the requests run.
+    seen_running = wait_until(lambda: _running(http)[0] > 0 and _running(http)[2] > 0)
     release.set()
     for t in threads:
         t.join()
-    assert running > 0 and kv_usage > 0
+    assert seen_running
     assert wait_until(lambda: _running(http) == (0, 0, 0))

@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
+
+from stepahead.entrypoints.openai.tool_calling.tools import Function
 
 
 @dataclass
@@ -22,6 +26,20 @@ class StreamDelta:
 
 class ToolStream(ABC):
     """One choice's output, fed in pieces. Subclasses: one per output format (a file each)."""
+
+    # The markers the stream reads in the output text: where the tokenizer makes one a special token, the
+    # requests it reads decode with special tokens kept (else the detokenizer would drop the marker).
+    MARKERS: ClassVar[tuple[str, ...]] = ()
+    # Markers a model of the family writes as single tokens of its own (vLLM's check): the server refuses to
+    # start when the tokenizer cannot encode one as one token. Formats other models spell out as text
+    # (hermes's <tool_call>) require none.
+    REQUIRED_TOKENS: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def for_tools(cls, functions: Sequence[Function]) -> ToolStream:
+        """The stream for one choice of a request with these functions; formats that read values by the
+        functions' parameter schemas override it."""
+        return cls()
 
     _unclaimed: str | None = None  # output since calls seemed to begin, until one does: content if none does
 

@@ -1,6 +1,7 @@
 """Hermes (Qwen, NousResearch): calls as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
 
-Text before the first call is content; text after a call and between calls is dropped (vLLM's rule)."""
+Text before the first call is content; text after a call and between calls is dropped (vLLM's rule). The
+markers are read as text: Qwen's tokenizers hold them as tokens, other models (SmolLM2) spell them out."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 
 class HermesToolStream(ToolStream):
+    MARKERS = (OPEN, CLOSE)  # special tokens in some models' tokenizers
+
     def __init__(self) -> None:
         self._scanner = CallScanner(base=0)
         self._buffer = ""
