@@ -114,8 +114,8 @@ def test_detokenization_that_raises_fails_its_request_alone(llm, clean, monkeypa
     poisoned_prompt = PROMPTS[3]["prompt_token_ids"]
 
     class FailingDetokenizer(detokenizer):
-        def __init__(self, tokenizer, prompt_token_ids, skip_special_tokens):
-            super().__init__(tokenizer, prompt_token_ids, skip_special_tokens)
+        def __init__(self, tokenizer, prompt_token_ids, *args):
+            super().__init__(tokenizer, prompt_token_ids, *args)
             self.poisoned = list(prompt_token_ids) == poisoned_prompt
 
         def append(self, token_ids):
