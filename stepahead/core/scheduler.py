@@ -46,6 +46,8 @@ class Scheduler(RequestLifecycle):
     def schedule(self) -> SchedulerOutput:
         self.current_step += 1
         plan = StepPlan.with_budget(self.max_num_scheduled_tokens)
+        if self.by_priority:
+            self._give_seat_to_urgent()
         self._schedule_running(plan)
         if not plan.preempted:  # waiting requests never join a step that preempted
             self._schedule_waiting(plan)
@@ -89,14 +91,16 @@ class Scheduler(RequestLifecycle):
                 continue
             new_blocks = kv.allocate_slots(req, num_new)
             while new_blocks is None:
-                # FCFS: the most recently admitted request; priority: the least urgent, which may have
-                # been scheduled earlier in this step (its tokens go back to the budget).
-                index = running.index(max(running, key=priority_key)) if self.by_priority else len(running) - 1
+                # FCFS: the most recently admitted request; priority: the least urgent of those not
+                # scheduled in this step (blocks already given to a scheduled one are hashed for the
+                # tokens it will compute, so it cannot give them back).
+                index = len(running) - 1
+                if self.by_priority:
+                    unscheduled = (r for r in running if r.request_id not in plan.num_scheduled)
+                    index = running.index(max(unscheduled, key=priority_key))
                 victim = running.pop(index)
                 if index < i:
                     i -= 1
-                    if victim.request_id in plan.num_scheduled:
-                        plan.unschedule(victim)
                 self._preempt_request(victim, drop_stale_output=False)
                 plan.preempted.append(victim)
                 if victim is req:
@@ -132,7 +136,7 @@ class Scheduler(RequestLifecycle):
         chunked = self.scheduler_config.enable_chunked_prefill
         step_skipped: list[Request] = []
         while (self.skipped_waiting or self.waiting) and plan.token_budget > 0:
-            if len(self.running) >= self.max_num_running_reqs and not self.by_priority:
+            if len(self.running) >= self.max_num_running_reqs:
                 break
             queue = self._next_waiting_queue()
             req = queue[0]
@@ -147,8 +151,6 @@ class Scheduler(RequestLifecycle):
                 queue.popleft()
                 step_skipped.append(req)
                 continue
-            if len(self.running) >= self.max_num_running_reqs and not self._displace_for(req, plan):
-                break
             hit_blocks, num_hit = kv.get_computed_blocks(req)
             num_new = req.num_tokens - num_hit
             if 0 < threshold < num_new:
@@ -157,8 +159,6 @@ class Scheduler(RequestLifecycle):
                 break
             num_new = min(num_new, plan.token_budget)
             new_blocks = kv.allocate_slots(req, num_new, num_hit, hit_blocks)
-            while new_blocks is None and self._displace_for(req, plan):
-                new_blocks = kv.allocate_slots(req, num_new, num_hit, hit_blocks)
             if new_blocks is None:
                 break  # head-of-line blocking
             queue.popleft()
@@ -184,22 +184,30 @@ class Scheduler(RequestLifecycle):
             return self.waiting
         return self.skipped_waiting
 
-    def _displace_for(self, request: Request, plan: StepPlan) -> bool:
-        """Under the priority policy, preempt the least urgent running request (not one admitted in this
-        step) if its priority is strictly worse than the waiting request's; True if one was. Equal
-        priorities never displace each other, so two requests cannot take turns preempting."""
-        if not self.by_priority:
+    def _give_seat_to_urgent(self) -> None:
+        """Under the priority policy, before anything is scheduled: while every seat is taken and the most
+        urgent waiting request that could be admitted now has a strictly better priority than the least
+        urgent running one, that one is preempted (its steps in flight become stale output) and the
+        waiting phase admits the other. Equal priorities never displace each other, so two requests
+        cannot take turns."""
+        while self.running and len(self.running) >= self.max_num_running_reqs:
+            urgent = min((r for r in (*self.skipped_waiting, *self.waiting) if self._admissible_now(r)),
+                         key=priority_key, default=None)
+            victim = max(self.running, key=priority_key)
+            if urgent is None or victim.priority <= urgent.priority:
+                return
+            self.running.remove(victim)
+            self._preempt_request(victim, drop_stale_output=False)
+
+    def _admissible_now(self, request: Request) -> bool:
+        """Neither waiting for its grammar nor for stale output still in flight (read only: the waiting
+        phase finishes a failed compile)."""
+        if request.num_stale_output_tokens and not request.drop_stale_output:
             return False
-        admitted = {r.request_id for r in (*plan.new, *plan.resumed)}
-        victim = max((r for r in self.running if r.request_id not in admitted), key=priority_key, default=None)
-        if victim is None or victim.priority <= request.priority:
-            return False
-        self.running.remove(victim)
-        if victim.request_id in plan.num_scheduled:
-            plan.unschedule(victim)
-        self._preempt_request(victim, drop_stale_output=False)
-        plan.preempted.append(victim)
-        return True
+        grammar_manager = self.structured_output_manager
+        return request.status != RequestStatus.WAITING_FOR_GRAMMAR or (
+            grammar_manager is not None and grammar_manager.is_ready(request)
+            and grammar_manager.compile_error(request) is None)
 
     def _grammar_ready(self, request: Request) -> bool:
         """Whether a request waiting for its grammar may be admitted now. A failed compile finishes

@@ -39,14 +39,6 @@ class StepPlan:
         self.num_scheduled[request.request_id] = num_tokens
         self.token_budget -= num_tokens
 
-    def unschedule(self, request: Request) -> None:
-        """Take back a running request scheduled earlier in this step: it is being preempted."""
-        rid = request.request_id
-        self.token_budget += self.num_scheduled.pop(rid)
-        self.running.remove(request)
-        self.new_blocks_of.pop(rid, None)
-        self.spec_tokens.pop(rid, None)
-
 
 def make_scheduler_output(plan: StepPlan, kv: KVCacheManager, prev_step_req_ids: set[str],
                           finished_req_ids: set[str], preempted_req_ids: set[str], step_id: int) -> SchedulerOutput:

@@ -2,8 +2,9 @@
 
 fcfs: arrival order; a preempted request goes back to the front. priority: by (priority, arrival
 time), lower first, so a preempted request goes back where its key puts it; requests of equal keys
-keep their arrival order. Under priority a waiting request may also take the place of a running one
-of a strictly worse priority (Scheduler._displace_for).
+keep their arrival order. Under priority a waiting request may also take the seat of a running one of a
+strictly worse priority (Scheduler._give_seat_to_urgent), and the running request preempted for
+blocks is the least urgent (Scheduler._schedule_running).
 """
 
 from __future__ import annotations

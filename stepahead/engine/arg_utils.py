@@ -62,8 +62,8 @@ class EngineArgs:
         None, "most tokens in one step (default: 2048, or max_model_len without chunked prefill)")
     scheduling_policy: str = _arg(
         "fcfs", "'fcfs' (default): requests run in arrival order, and a request's priority must be 0; "
-                "'priority': waiting requests run by (priority, arrival), lower first, and a waiting request "
-                "preempts a running one of a strictly worse priority when seats or KV blocks run out")
+                "'priority': waiting requests run by (priority, arrival), lower first; a waiting request takes "
+                "the seat of a running one of a strictly worse priority, and KV pressure preempts the least urgent")
     block_size: int = _arg(16, "tokens per KV-cache block")
     kv_cache_dtype: str = _arg(
         "auto", "what the KV cache holds: 'auto' (default): float16 under packed (quantized) weights on CPU "

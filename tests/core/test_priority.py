@@ -57,13 +57,31 @@ def test_an_urgent_request_takes_the_seat_of_a_running_one(is_async, depth):
 @pytest.mark.parametrize("is_async,depth", MODES)
 def test_short_kv_preempts_the_least_urgent_running_request(is_async, depth):
     """4 usable blocks of 4 tokens: when a running request needs a block, the victim is the least urgent
-    running request (under fcfs it would be the last admitted), and an urgent arrival takes blocks too."""
+    running request (under fcfs it would be the last admitted)."""
     h = Harness(is_async=is_async, depth=depth, block_size=4, num_blocks=5, scheduling_policy="priority")
     low = h.add("low", [1] * 4, max_tokens=10, priority=3)
     high = h.add("high", [2] * 4, max_tokens=10, priority=0)
     assert _finish_order(h)[0] == "high"
     assert low.num_preemptions > 0 and high.num_preemptions == 0
     _check_tokens(h, {"low": 10, "high": 10})
+
+
+@pytest.mark.parametrize("is_async,depth", MODES)
+def test_a_request_taking_a_seat_mid_prefill_leaves_no_uncomputed_block_cached(is_async, depth):
+    """Found by the fuzz: a less urgent request is preempted halfway through its chunked prefill with the
+    prefix cache on; its blocks must hold only positions it computed, so that resuming it from the cache
+    reads its own tokens (the scripted worker checks every position's KV)."""
+    h = Harness(is_async=is_async, depth=depth, block_size=1, num_blocks=18, budget=4, max_num_seqs=1,
+                max_model_len=17, scheduling_policy="priority")
+    h.add("a", [11] * 6 + [22] * 7, max_tokens=5, priority=0)
+    for _ in range(6):
+        h.step()
+    h.add("b", [10] * 3 + [20] * 3, max_tokens=2, priority=1)
+    for _ in range(2):
+        h.step()
+    h.add("c", [20], max_tokens=1, priority=0)
+    h.run()
+    _check_tokens(h, {"a": 4, "b": 2, "c": 1})
 
 
 def test_fcfs_never_displaces():
