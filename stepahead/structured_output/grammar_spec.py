@@ -30,15 +30,17 @@ class GrammarSpec:
 
     kind: str
     text: str
+    any_whitespace: bool = True  # the JSON kinds: False compiles compact JSON (disable_any_whitespace)
 
 
 def grammar_spec(params: StructuredOutputsParams) -> GrammarSpec:
     # params.kind names the one field that is set (and a schema is kept as its text): the casts say so.
     kind = params.kind
+    any_whitespace = not params.disable_any_whitespace
     if kind == "json":
-        return GrammarSpec("json", cast(str, params.json))
+        return GrammarSpec("json", cast(str, params.json), any_whitespace)
     if kind == "json_object":
-        return GrammarSpec("json_object", "")
+        return GrammarSpec("json_object", "", any_whitespace)
     if kind == "regex":
         return GrammarSpec("regex", cast(str, params.regex))
     if kind == "choice":

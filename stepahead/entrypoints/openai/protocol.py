@@ -14,7 +14,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _MAX_COUNT = 2**31 - 1  # token counts and the like: anything larger is a mistake
@@ -36,13 +36,15 @@ class StreamOptions(OpenAIRequest):
 
 
 class StructuredOutputs(OpenAIRequest):
-    """vLLM's `structured_outputs` extra field: exactly one constraint."""
+    """vLLM's `structured_outputs` extra field: exactly one constraint, and JSON's whitespace options."""
 
     json_schema: dict[str, Any] | str | None = Field(default=None, alias="json")
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    disable_any_whitespace: StrictBool = False
+    whitespace_pattern: str | None = None  # refused by name: xgrammar has no whitespace pattern
 
 
 class ResponseFormat(OpenAIRequest):
@@ -83,6 +85,7 @@ class SamplingFields(OpenAIRequest):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
     return_tokens_as_token_ids: bool | None = None  # logprobs' tokens as "token_id:N"
     prompt_logprobs: StrictInt | None = Field(default=None, ge=-(2**31), le=2**31 - 1)  # top-N per prompt token
     # vLLM's: keep this many prompt tokens (-1: the context length), from the end unless truncation_side "right"

@@ -88,6 +88,10 @@ def grammar_param(req: SamplingFields) -> str:
 def structured_outputs_of(req: SamplingFields) -> StructuredOutputsParams | None:
     """The grammar constraint of response_format, structured_outputs or the guided_* fields (whether
     the engine takes it is the input processor's check, shared with the offline LLM)."""
+    if req.guided_whitespace_pattern is not None:  # vLLM's older spelling of whitespace_pattern, refused alike
+        raise APIError("guided_whitespace_pattern is not supported by the xgrammar backend (it has no whitespace "
+                       "pattern); structured_outputs.disable_any_whitespace gives compact JSON", 400,
+                       "guided_whitespace_pattern")
     structured = req.structured_outputs
     guided = {name: value for name in ("json", "regex", "choice", "grammar")
               if (value := getattr(req, f"guided_{name}")) is not None}
@@ -113,8 +117,10 @@ def structured_outputs_of(req: SamplingFields) -> StructuredOutputsParams | None
         return StructuredOutputsParams(**guided)
     if structured is None:
         return None
-    return StructuredOutputsParams(json=structured.json_schema, regex=structured.regex, choice=structured.choice,
-                                   grammar=structured.grammar, json_object=structured.json_object)
+    return StructuredOutputsParams(
+        json=structured.json_schema, regex=structured.regex, choice=structured.choice, grammar=structured.grammar,
+        json_object=structured.json_object, disable_any_whitespace=structured.disable_any_whitespace,
+        whitespace_pattern=structured.whitespace_pattern)
 
 
 def sampling_params_of(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
