@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from stepahead.grammar_bounds import check_spec_chars, json_schema_text
+from stepahead.grammar_bounds import bounded_json_text, check_spec_chars
 from stepahead.validation import InvalidInputError, check_field, shorten
 
 logger = logging.getLogger(__name__)
@@ -31,7 +31,9 @@ class StructuredOutputsParams:
     json: a JSON schema (dict or its text; kept as text once its size and depth are checked, see
     grammar_bounds); regex: a regular expression the whole output matches; choice: the output is one
     of these strings; grammar: an EBNF/GBNF grammar whose rule `root` the output matches;
-    json_object: any JSON object.
+    json_object: any JSON object; structural_tag: an xgrammar structural tag, as JSON text (or a dict),
+    in vLLM's legacy form {"structures": [{"begin", "schema", "end"}], "triggers": [...]} or xgrammar's
+    {"type": "structural_tag", "format": {...}} (see structured_output/structural_tag.py).
 
     With json or json_object: disable_any_whitespace compiles compact JSON (no whitespace between
     tokens); whitespace_pattern is refused by name (xgrammar has no whitespace pattern).
@@ -42,6 +44,7 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: dict[str, Any] | str | None = None
     disable_any_whitespace: bool = False
     whitespace_pattern: str | None = None
     # With a reasoning model (the server's --reasoning-parser sets them): the grammar constrains only what
@@ -51,7 +54,7 @@ class StructuredOutputsParams:
     reasoning_end_token_ids: list[int] | None = None
     reasoning_start_token_ids: list[int] | None = None
 
-    KINDS = ("json", "regex", "choice", "grammar", "json_object")
+    KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
     JSON_KINDS = ("json", "json_object")  # the kinds the whitespace options apply to
 
     def __post_init__(self) -> None:
@@ -68,7 +71,9 @@ class StructuredOutputsParams:
                 param="structured_outputs",
             )
         if self.json is not None:
-            self.json = json_schema_text(self.json)
+            self.json = bounded_json_text(self.json, "JSON schema")
+        if self.structural_tag is not None:
+            self.structural_tag = bounded_json_text(self.structural_tag, "structural tag")
         for what, text in (("regex", self.regex), ("grammar", self.grammar)):
             if text is not None:
                 check_spec_chars(len(text), what)

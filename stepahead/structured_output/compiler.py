@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from stepahead.structured_output.grammar_spec import GrammarSpec
+from stepahead.structured_output.structural_tag import xgrammar_structural_tag
 
 # JSON's layout: any whitespace between tokens (vLLM's default), or none (disable_any_whitespace).
 # Without any whitespace xgrammar's default separators are json.dumps' ", " and ": ", so compact JSON
@@ -41,7 +42,8 @@ class GrammarCompiler:
         return self._compiler
 
     def compile(self, spec: GrammarSpec) -> Any:
-        """An xgrammar CompiledGrammar; raises RuntimeError (xgrammar's) on a spec it cannot compile."""
+        """An xgrammar CompiledGrammar; raises RuntimeError (xgrammar's) or ValueError on a spec it
+        cannot compile."""
         compiler = self._xgrammar_compiler()
         layout = _ANY_WHITESPACE if spec.any_whitespace else _COMPACT
         if spec.kind == "json":
@@ -51,4 +53,6 @@ class GrammarCompiler:
             return compiler.compile_json_schema('{"type": "object"}', **layout)
         if spec.kind == "regex":
             return compiler.compile_regex(spec.text)
+        if spec.kind == "structural_tag":
+            return compiler.compile_structural_tag(xgrammar_structural_tag(spec.text))
         return compiler.compile_grammar(spec.text)

@@ -80,6 +80,8 @@ def test_the_tiny_random_model_writes_compact_json_only_when_asked(tiny_llama):
                                                           "only, not to regex"),
     ({"choice": ["a", "b"], "disable_any_whitespace": True}, "disable_any_whitespace applies to json"),
     ({"grammar": 'root ::= "a"', "disable_any_whitespace": True}, "disable_any_whitespace applies to json"),
+    ({"structural_tag": {"format": {"type": "const_string", "value": "a"}}, "disable_any_whitespace": True},
+     "not to structural_tag"),
     ({"json": FLAGS, "disable_any_whitespace": "yes"}, "disable_any_whitespace must be true or false"),
     ({"regex": "[a-z]+", "whitespace_pattern": " ?"}, "whitespace_pattern applies to json and json_object only"),
     ({"json": FLAGS, "whitespace_pattern": " ?"}, "whitespace_pattern is not supported by the xgrammar backend"),

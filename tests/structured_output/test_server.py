@@ -1,10 +1,11 @@
-"""Structured outputs through the OpenAI-compatible server on the built-in model: response_format,
-vLLM's structured_outputs (compact JSON too) and guided_* fields, streaming, and the offline LLM's exact
-error messages."""
+"""Structured outputs through the OpenAI-compatible server on the built-in model: response_format (a
+structural tag too), vLLM's structured_outputs (compact JSON too) and guided_* fields, streaming, and the
+offline LLM's exact error messages."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import openai
@@ -52,6 +53,20 @@ def test_streamed_json_schema_and_json_object(client):
     r = client.chat.completions.create(model="x", messages=ASK, temperature=0, max_tokens=8,
                                        response_format={"type": "json_object"})
     assert r.choices[0].message.content.lstrip().startswith("{")
+
+
+def test_response_format_structural_tag(client):
+    """vLLM's legacy form: the text is free, but a ```json fence the model opens holds JSON of the schema
+    and is closed (free, the model writes other keys there)."""
+    fence = {"begin": "```json\n", "schema": ADD, "end": "\n```"}
+    r = client.chat.completions.create(
+        model="x", messages=ASK_ADD, temperature=0, max_tokens=80,
+        response_format={"type": "structural_tag", "structures": [fence], "triggers": ["```json"]})
+    text = r.choices[0].message.content
+    fenced = re.findall(r"```json\n(.*?)\n```", text, re.DOTALL)
+    assert fenced and len(fenced) == text.count("```json"), text
+    for part in fenced:
+        jsonschema.validate(json.loads(part), ADD)
 
 
 def test_structured_outputs_disable_any_whitespace(client):

@@ -43,13 +43,26 @@ class StructuredOutputs(OpenAIRequest):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: str | dict[str, Any] | None = None  # JSON text (vLLM's type), or the object itself
     disable_any_whitespace: StrictBool = False
     whitespace_pattern: str | None = None  # refused by name: xgrammar has no whitespace pattern
 
 
+class TaggedStructure(OpenAIRequest):
+    """One structure of vLLM's legacy structural_tag response_format: `begin`, JSON matching `schema`, `end`."""
+
+    begin: str
+    json_schema: dict[str, Any] = Field(alias="schema")
+    end: str
+
+
 class ResponseFormat(OpenAIRequest):
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: dict[str, Any] | None = None
+    # type "structural_tag": vLLM's legacy form (structures and triggers) or xgrammar's (format).
+    structures: list[TaggedStructure] | None = None
+    triggers: list[str] | None = None
+    format: dict[str, Any] | None = None
 
 
 class SamplingFields(OpenAIRequest):
@@ -86,6 +99,7 @@ class SamplingFields(OpenAIRequest):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
+    structural_tag: str | None = None
     return_tokens_as_token_ids: bool | None = None  # logprobs' tokens as "token_id:N"
     prompt_logprobs: StrictInt | None = Field(default=None, ge=-(2**31), le=2**31 - 1)  # top-N per prompt token
     # vLLM's: keep this many prompt tokens (-1: the context length), from the end unless truncation_side "right"
