@@ -1,10 +1,10 @@
 """Bounds on a request's grammar constraint, checked before anything parses or compiles it.
 
-A JSON schema is a tree whose depth the client chooses. Code that walks it recursively (a pickler, a
-JSON encoder, the grammar compiler) fails or takes superlinear time on a deep one, so the depth is
-measured here without recursion and refused past MAX_JSON_NESTING; a spec longer than
-MAX_SPEC_CHARS is refused before it is read at all. The schema then travels as its text: the
-engine's messages never carry a structure whose depth a request controls.
+A JSON schema (or a structural tag, which holds schemas) is a tree whose depth the client chooses.
+Code that walks it recursively (a pickler, a JSON encoder, the grammar compiler) fails or takes
+superlinear time on a deep one, so the depth is measured here without recursion and refused past
+MAX_JSON_NESTING; a spec longer than MAX_SPEC_CHARS is refused before it is read at all. The schema
+then travels as its text: the engine's messages never carry a structure whose depth a request controls.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from stepahead.validation import InvalidInputError
 # Objects and arrays inside one another. A schema level with "properties" costs two; real schemas stay
 # far below this, and the compile time of a schema grows quickly with its depth.
 MAX_JSON_NESTING = 128
-# Characters of a schema, regex, grammar or the choices together.
+# Characters of a schema, regex, grammar, structural tag or the choices together.
 MAX_SPEC_CHARS = 128 * 1024
 
 PARAM = "structured_outputs"
@@ -73,21 +73,22 @@ def check_spec_chars(num_chars: int, what: str) -> None:
             param=PARAM)
 
 
-def _check_depth(depth: int) -> None:
+def _check_depth(depth: int, what: str) -> None:
     if depth > MAX_JSON_NESTING:
         raise InvalidInputError(
-            f"structured_outputs: the JSON schema nests objects and arrays more than {MAX_JSON_NESTING} deep "
+            f"structured_outputs: the {what} nests objects and arrays more than {MAX_JSON_NESTING} deep "
             f"(the limit of nesting depth)", param=PARAM)
 
 
-def json_schema_text(schema: Any) -> str:
-    """A JSON schema (parsed or text) as bounded text: depth and size checked, nothing recursive run
-    on it before the depth is known to be small."""
-    if isinstance(schema, str):
-        check_spec_chars(len(schema), "JSON schema")
-        _check_depth(json_text_depth(schema))
-        return schema
-    _check_depth(json_value_depth(schema))
-    text = json.dumps(schema, ensure_ascii=False)
-    check_spec_chars(len(text), "JSON schema")
+def bounded_json_text(value: Any, what: str) -> str:
+    """A JSON value (parsed or text: a schema, or a structural tag holding schemas) as bounded text:
+    depth and size checked, nothing recursive run on it before the depth is known to be small. `what`
+    names it in a refusal."""
+    if isinstance(value, str):
+        check_spec_chars(len(value), what)
+        _check_depth(json_text_depth(value), what)
+        return value
+    _check_depth(json_value_depth(value), what)
+    text = json.dumps(value, ensure_ascii=False)
+    check_spec_chars(len(text), what)
     return text

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from stepahead.grammar_bounds import check_spec_chars, json_schema_text
+from stepahead.grammar_bounds import bounded_json_text, check_spec_chars
 from stepahead.validation import InvalidInputError, check_field, shorten
 
 logger = logging.getLogger(__name__)
@@ -26,12 +26,17 @@ _MAX_MARKER_TOKENS = 16
 
 @dataclass
 class StructuredOutputsParams:
-    """A grammar constraint (vLLM's spellings); exactly one of the fields is set.
+    """A grammar constraint (vLLM's spellings); exactly one of the KINDS is set.
 
     json: a JSON schema (dict or its text; kept as text once its size and depth are checked, see
     grammar_bounds); regex: a regular expression the whole output matches; choice: the output is one
     of these strings; grammar: an EBNF/GBNF grammar whose rule `root` the output matches;
-    json_object: any JSON object.
+    json_object: any JSON object; structural_tag: an xgrammar structural tag, as JSON text (or a dict),
+    in vLLM's legacy form {"structures": [{"begin", "schema", "end"}], "triggers": [...]} or xgrammar's
+    {"type": "structural_tag", "format": {...}} (see structured_output/structural_tag.py).
+
+    With json or json_object: disable_any_whitespace compiles compact JSON (no whitespace between
+    tokens); whitespace_pattern is refused by name (xgrammar has no whitespace pattern).
     """
 
     json: dict[str, Any] | str | None = None
@@ -39,6 +44,9 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: dict[str, Any] | str | None = None
+    disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
     # With a reasoning model (the server's --reasoning-parser sets them): the grammar constrains only what
     # follows the end-of-reasoning marker, these token ids; None: it constrains the output from its first
     # token. reasoning_start_token_ids: the output is reasoning only if it opens with these (qwen3); None:
@@ -46,7 +54,8 @@ class StructuredOutputsParams:
     reasoning_end_token_ids: list[int] | None = None
     reasoning_start_token_ids: list[int] | None = None
 
-    KINDS = ("json", "regex", "choice", "grammar", "json_object")
+    KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+    JSON_KINDS = ("json", "json_object")  # the kinds the whitespace options apply to
 
     def __post_init__(self) -> None:
         given = [name for name in self.KINDS if getattr(self, name) not in (None, False)]
@@ -62,12 +71,15 @@ class StructuredOutputsParams:
                 param="structured_outputs",
             )
         if self.json is not None:
-            self.json = json_schema_text(self.json)
+            self.json = bounded_json_text(self.json, "JSON schema")
+        if self.structural_tag is not None:
+            self.structural_tag = bounded_json_text(self.structural_tag, "structural tag")
         for what, text in (("regex", self.regex), ("grammar", self.grammar)):
             if text is not None:
                 check_spec_chars(len(text), what)
         if self.choice is not None:
             check_spec_chars(sum(len(c) for c in self.choice), "choice list")
+        self._check_whitespace_options(given[0])
         for name in ("reasoning_end_token_ids", "reasoning_start_token_ids"):
             ids = getattr(self, name)
             if ids is not None and not (isinstance(ids, list) and ids and len(ids) <= _MAX_MARKER_TOKENS and all(
@@ -77,6 +89,20 @@ class StructuredOutputsParams:
         if self.reasoning_start_token_ids is not None and self.reasoning_end_token_ids is None:
             raise InvalidInputError("structured_outputs: reasoning_start_token_ids needs reasoning_end_token_ids",
                                     param="structured_outputs")
+
+    def _check_whitespace_options(self, kind: str) -> None:
+        """Both shape JSON's whitespace: refused with any other constraint rather than ignored."""
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise InvalidInputError("structured_outputs: disable_any_whitespace must be true or false, got "
+                                    f"{shorten(repr(self.disable_any_whitespace))}", param="structured_outputs")
+        for name in ("disable_any_whitespace", "whitespace_pattern"):
+            if getattr(self, name) not in (None, False) and kind not in self.JSON_KINDS:
+                raise InvalidInputError(f"structured_outputs: {name} applies to json and json_object only, not to "
+                                        f"{kind}", param="structured_outputs")
+        if self.whitespace_pattern is not None:
+            # xgrammar (the backend) compiles JSON with any whitespace or none: it has no pattern for it.
+            raise InvalidInputError("structured_outputs: whitespace_pattern is not supported by the xgrammar "
+                                    "backend; disable_any_whitespace gives compact JSON", param="structured_outputs")
 
     @property
     def kind(self) -> str:

@@ -11,17 +11,23 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from stepahead.structured_output.grammar_spec import GrammarSpec
+from stepahead.structured_output.structural_tag import xgrammar_structural_tag
+
+# JSON's layout: any whitespace between tokens (vLLM's default), or none (disable_any_whitespace).
+# Without any whitespace xgrammar's default separators are json.dumps' ", " and ": ", so compact JSON
+# names its own.
+_ANY_WHITESPACE: dict[str, Any] = {"any_whitespace": True}
+_COMPACT: dict[str, Any] = {"any_whitespace": False, "separators": (",", ":")}
 
 
 class GrammarCompiler:
     """Compiles GrammarSpecs. Not thread-safe on its own: the manager calls it from one thread."""
 
     def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int, stop_token_ids: Sequence[int],
-                 *, any_whitespace: bool = True, max_threads: int = 2) -> None:
+                 *, max_threads: int = 2) -> None:
         self._load_tokenizer = load_tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
-        self.any_whitespace = any_whitespace
         self.max_threads = max_threads
         self._compiler: Any = None
 
@@ -36,13 +42,17 @@ class GrammarCompiler:
         return self._compiler
 
     def compile(self, spec: GrammarSpec) -> Any:
-        """An xgrammar CompiledGrammar; raises RuntimeError (xgrammar's) on a spec it cannot compile."""
+        """An xgrammar CompiledGrammar; raises RuntimeError (xgrammar's) or ValueError on a spec it
+        cannot compile."""
         compiler = self._xgrammar_compiler()
+        layout = _ANY_WHITESPACE if spec.any_whitespace else _COMPACT
         if spec.kind == "json":
-            return compiler.compile_json_schema(spec.text, any_whitespace=self.any_whitespace)
+            return compiler.compile_json_schema(spec.text, **layout)
         if spec.kind == "json_object":
             # OpenAI's json_object promises an object; xgrammar's built-in JSON grammar also allows arrays.
-            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=self.any_whitespace)
+            return compiler.compile_json_schema('{"type": "object"}', **layout)
         if spec.kind == "regex":
             return compiler.compile_regex(spec.text)
+        if spec.kind == "structural_tag":
+            return compiler.compile_structural_tag(xgrammar_structural_tag(spec.text))
         return compiler.compile_grammar(spec.text)

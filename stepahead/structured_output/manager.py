@@ -53,11 +53,9 @@ class RequestGrammar:
 class StructuredOutputManager:
     """Owns the compile thread, the compiled-grammar cache and the batch bitmask filler."""
 
-    def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int, stop_token_ids: Sequence[int],
-                 *, any_whitespace: bool = True) -> None:
+    def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int, stop_token_ids: Sequence[int]) -> None:
         threads = max(1, min(8, (os.cpu_count() or 2) // 2))
-        self._compiler = GrammarCompiler(load_tokenizer, vocab_size, stop_token_ids,
-                                         any_whitespace=any_whitespace, max_threads=threads)
+        self._compiler = GrammarCompiler(load_tokenizer, vocab_size, stop_token_ids, max_threads=threads)
         self.vocab_size = vocab_size
         self.num_words = (vocab_size + 31) // 32
         # One thread: compiles run in order and the compiler needs no lock; xgrammar parallelizes inside.

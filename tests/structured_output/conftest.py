@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from stepahead import LLM
@@ -17,6 +19,14 @@ def smollm():
 def chat_prompt(llm: LLM, text: str) -> str:
     return llm.get_tokenizer().apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                                     add_generation_prompt=True)
+
+
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+
+
+def has_whitespace_outside_strings(json_text: str) -> bool:
+    """Whether JSON text has whitespace between its tokens (what compact JSON never has)."""
+    return any(ch.isspace() for ch in _JSON_STRING.sub('""', json_text))
 
 
 @pytest.fixture(scope="module")

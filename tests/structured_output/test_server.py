@@ -1,9 +1,11 @@
-"""Structured outputs through the OpenAI-compatible server on the built-in model: response_format,
-vLLM's structured_outputs and guided_* fields, streaming, and the offline LLM's exact error messages."""
+"""Structured outputs through the OpenAI-compatible server on the built-in model: response_format (a
+structural tag too), vLLM's structured_outputs (compact JSON too) and guided_* fields, streaming, and the
+offline LLM's exact error messages."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import openai
@@ -13,11 +15,15 @@ from stepahead import SamplingParams
 from stepahead.models.loading.loader import builtin_model_path
 from stepahead.sampling_params import StructuredOutputsParams
 from tests.entrypoints.openai.server_utils import RemoteServer
+from tests.structured_output.conftest import has_whitespace_outside_strings
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120}},
           "required": ["name", "age"], "additionalProperties": False}
 ASK = [{"role": "user", "content": "Describe a person as JSON."}]
+ADD = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"],
+       "additionalProperties": False}
+ASK_ADD = [{"role": "user", "content": "Add 2 and 3 as JSON."}]
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +53,32 @@ def test_streamed_json_schema_and_json_object(client):
     r = client.chat.completions.create(model="x", messages=ASK, temperature=0, max_tokens=8,
                                        response_format={"type": "json_object"})
     assert r.choices[0].message.content.lstrip().startswith("{")
+
+
+def test_response_format_structural_tag(client):
+    """vLLM's legacy form: the text is free, but a ```json fence the model opens holds JSON of the schema
+    and is closed (free, the model writes other keys there)."""
+    fence = {"begin": "```json\n", "schema": ADD, "end": "\n```"}
+    r = client.chat.completions.create(
+        model="x", messages=ASK_ADD, temperature=0, max_tokens=80,
+        response_format={"type": "structural_tag", "structures": [fence], "triggers": ["```json"]})
+    text = r.choices[0].message.content
+    fenced = re.findall(r"```json\n(.*?)\n```", text, re.DOTALL)
+    assert fenced and len(fenced) == text.count("```json"), text
+    for part in fenced:
+        jsonschema.validate(json.loads(part), ADD)
+
+
+def test_structured_outputs_disable_any_whitespace(client):
+    def content(compact: bool) -> str:
+        r = client.chat.completions.create(model="x", messages=ASK_ADD, temperature=0, max_tokens=64, extra_body={
+            "structured_outputs": {"json": ADD, "disable_any_whitespace": compact}})
+        assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(r.choices[0].message.content), ADD)
+        return r.choices[0].message.content
+
+    assert has_whitespace_outside_strings(content(False))  # the model's own layout
+    assert not has_whitespace_outside_strings(content(True))
 
 
 @pytest.mark.parametrize("extra, check", [

@@ -14,7 +14,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _MAX_COUNT = 2**31 - 1  # token counts and the like: anything larger is a mistake
@@ -42,18 +42,33 @@ class StreamOptions(OpenAIRequest):
 
 
 class StructuredOutputs(OpenAIRequest):
-    """vLLM's `structured_outputs` extra field: exactly one constraint."""
+    """vLLM's `structured_outputs` extra field: exactly one constraint, and JSON's whitespace options."""
 
     json_schema: dict[str, Any] | str | None = Field(default=None, alias="json")
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: str | dict[str, Any] | None = None  # JSON text (vLLM's type), or the object itself
+    disable_any_whitespace: StrictBool = False
+    whitespace_pattern: str | None = None  # refused by name: xgrammar has no whitespace pattern
+
+
+class TaggedStructure(OpenAIRequest):
+    """One structure of vLLM's legacy structural_tag response_format: `begin`, JSON matching `schema`, `end`."""
+
+    begin: str
+    json_schema: dict[str, Any] = Field(alias="schema")
+    end: str
 
 
 class ResponseFormat(OpenAIRequest):
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: dict[str, Any] | None = None
+    # type "structural_tag": vLLM's legacy form (structures and triggers) or xgrammar's (format).
+    structures: list[TaggedStructure] | None = None
+    triggers: list[str] | None = None
+    format: dict[str, Any] | None = None
 
 
 class SamplingFields(OpenAIRequest):
@@ -92,6 +107,8 @@ class SamplingFields(OpenAIRequest):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None  # refused, as structured_outputs.whitespace_pattern is
+    structural_tag: str | None = None
     return_tokens_as_token_ids: bool | None = None  # logprobs' tokens as "token_id:N"
     prompt_logprobs: StrictInt | None = Field(default=None, ge=-(2**31), le=2**31 - 1)  # top-N per prompt token
     # vLLM's: keep this many prompt tokens (-1: the context length), from the end unless truncation_side "right"
@@ -112,7 +129,6 @@ class SamplingFields(OpenAIRequest):
     thinking_token_budget: StrictInt | None = None  # vLLM's: the most reasoning tokens before the end is forced
     prediction: dict[str, Any] | None = None  # OpenAI's predicted outputs
     guided_decoding_backend: str | None = None  # vLLM's older per-request backend choice
-    guided_whitespace_pattern: str | None = None  # vLLM's older spelling of structured_outputs.whitespace_pattern
     mm_processor_kwargs: dict[str, Any] | None = None  # vLLM's, for multimodal processors
     kv_transfer_params: dict[str, Any] | None = None  # vLLM's, for disaggregated serving
     vllm_xargs: dict[str, Any] | None = None  # vLLM's, for custom extensions

@@ -15,7 +15,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from stepahead.entrypoints.openai.errors import APIError, error_body, error_from_exception
-from stepahead.entrypoints.openai.protocol import SamplingFields
+from stepahead.entrypoints.openai.protocol import ResponseFormat, SamplingFields
 from stepahead.entrypoints.openai.request_limits import MAX_N
 from stepahead.outputs import LOGPROB_FLOOR, Logprob
 from stepahead.sampling_params import SamplingParams, StructuredOutputsParams
@@ -72,7 +72,6 @@ UNIMPLEMENTED_FIELDS = {
     "thinking_token_budget": "a budget of reasoning tokens is not implemented",
     "prediction": "predicted outputs are not implemented",
     "guided_decoding_backend": "the server's --structured-outputs-backend compiles every grammar",
-    "guided_whitespace_pattern": "a whitespace pattern for JSON grammars is not implemented",
     "mm_processor_kwargs": "requests carry text and token ids only",
     "kv_transfer_params": "KV transfer between servers is not implemented",
     "vllm_xargs": "no custom extension reads them",
@@ -96,43 +95,75 @@ def reject_unsupported(req: SamplingFields) -> None:
 
 
 def grammar_param(req: SamplingFields) -> str:
-    """The field a client set its grammar with: OpenAI's response_format, or vLLM's structured_outputs."""
+    """The field a client set its grammar with: OpenAI's response_format, vLLM's top-level structural_tag,
+    or vLLM's structured_outputs (and the guided_* fields)."""
     if req.response_format is not None and req.response_format.type != "text":
         return "response_format"
+    if req.structural_tag is not None:
+        return "structural_tag"
     return "structured_outputs"
 
 
+def _structural_tag_of(response_format: ResponseFormat) -> dict[str, Any]:
+    """A structural_tag response_format as the structural tag it holds (structural_tag.py's two forms)."""
+    legacy = response_format.structures is not None or response_format.triggers is not None
+    if legacy == (response_format.format is not None):
+        raise APIError("response_format of type structural_tag needs either structures and triggers (vLLM's "
+                       "form) or format (xgrammar's form)", 400, "response_format")
+    if not legacy:
+        return {"type": "structural_tag", "format": response_format.format}
+    if response_format.structures is None or response_format.triggers is None:
+        raise APIError("response_format of type structural_tag needs both structures and triggers", 400,
+                       "response_format")
+    structures = [{"begin": s.begin, "schema": s.json_schema, "end": s.end} for s in response_format.structures]
+    return {"structures": structures, "triggers": response_format.triggers}
+
+
+def _response_format_constraint(response_format: ResponseFormat) -> StructuredOutputsParams:
+    if response_format.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if response_format.type == "structural_tag":
+        return StructuredOutputsParams(structural_tag=_structural_tag_of(response_format))
+    schema = (response_format.json_schema or {}).get("schema")
+    if schema is None:
+        raise APIError("response_format.json_schema.schema is required", 400, "response_format")
+    return StructuredOutputsParams(json=schema)
+
+
 def structured_outputs_of(req: SamplingFields) -> StructuredOutputsParams | None:
-    """The grammar constraint of response_format, structured_outputs or the guided_* fields (whether
-    the engine takes it is the input processor's check, shared with the offline LLM)."""
+    """The grammar constraint of response_format, structured_outputs, or vLLM's older top-level fields
+    (guided_*, structural_tag); whether the engine takes it is the input processor's check, shared
+    with the offline LLM."""
+    if req.guided_whitespace_pattern is not None:  # vLLM's older spelling of whitespace_pattern, refused alike
+        raise APIError("guided_whitespace_pattern is not supported by the xgrammar backend (it has no whitespace "
+                       "pattern); structured_outputs.disable_any_whitespace gives compact JSON", 400,
+                       "guided_whitespace_pattern")
     structured = req.structured_outputs
-    guided = {kind: value for field_name, kind in (("guided_json", "json"), ("guided_regex", "regex"),
-                                                   ("guided_choice", "choice"), ("guided_grammar", "grammar"))
-              if (value := getattr(req, field_name)) is not None}
+    older = {name: value for name, field_name in (("json", "guided_json"), ("regex", "guided_regex"),
+                                                  ("choice", "guided_choice"), ("grammar", "guided_grammar"),
+                                                  ("structural_tag", "structural_tag"))
+             if (value := getattr(req, field_name)) is not None}
     response_format = req.response_format
     asked = [name for name, given in (("response_format", response_format is not None and response_format.type != "text"),
                                       ("structured_outputs", structured is not None),
-                                      ("guided_*", bool(guided))) if given]
+                                      ("guided_*/structural_tag", bool(older))) if given]
     if len(asked) > 1:
-        raise APIError(f"Only one of response_format, structured_outputs and guided_* may be set, got {asked}",
-                       400, "structured_outputs")
-    if asked == ["response_format"] and response_format is not None:
-        if response_format.type == "json_object":
-            return StructuredOutputsParams(json_object=True)
-        schema = (response_format.json_schema or {}).get("schema")
-        if schema is None:
-            raise APIError("response_format.json_schema.schema is required", 400, "response_format")
-        try:
-            return StructuredOutputsParams(json=schema)
-        except InvalidInputError as e:
-            e.param = grammar_param(req)  # the client asked through OpenAI's field
-            raise
-    if guided:
-        return StructuredOutputsParams(**guided)
-    if structured is None:
-        return None
-    return StructuredOutputsParams(json=structured.json_schema, regex=structured.regex, choice=structured.choice,
-                                   grammar=structured.grammar, json_object=structured.json_object)
+        raise APIError(f"Only one of response_format, structured_outputs and guided_* (or structural_tag) may be "
+                       f"set, got {asked}", 400, "structured_outputs")
+    try:
+        if asked == ["response_format"] and response_format is not None:
+            return _response_format_constraint(response_format)
+        if older:
+            return StructuredOutputsParams(**older)
+        if structured is None:
+            return None
+        return StructuredOutputsParams(
+            json=structured.json_schema, regex=structured.regex, choice=structured.choice,
+            grammar=structured.grammar, json_object=structured.json_object, structural_tag=structured.structural_tag,
+            disable_any_whitespace=structured.disable_any_whitespace, whitespace_pattern=structured.whitespace_pattern)
+    except InvalidInputError as e:
+        e.param = grammar_param(req)  # the field the client asked through
+        raise
 
 
 def sampling_params_of(req: SamplingFields, max_tokens: int | None, logprobs: int | None,

@@ -164,6 +164,13 @@ def test_non_finite_numbers_are_refused(http, number):
      "response_format", "response_format.json_schema.schema is required"),
     ({"structured_outputs": {"choice": []}}, "structured_outputs", "choice"),
     ({"guided_json": {"type": "object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs", "one of"),
+    ({"response_format": {"type": "structural_tag", "format": {"type": "nope"}}}, "response_format",
+     "invalid structural tag in structured_outputs: Invalid structural tag error: Format type not recognized"),
+    ({"structural_tag": "{"}, "structural_tag", "invalid structural tag in structured_outputs: not JSON"),
+    ({"structured_outputs": {"regex": "a", "disable_any_whitespace": True}}, "structured_outputs",
+     "disable_any_whitespace applies to json and json_object only"),
+    ({"structured_outputs": {"json_object": True, "whitespace_pattern": " "}}, "structured_outputs",
+     "whitespace_pattern is not supported by the xgrammar backend"),
 ])
 def test_bad_chat_request(http, override, param, phrase):
     r = http.post("/v1/chat/completions", json={**M, **override})
