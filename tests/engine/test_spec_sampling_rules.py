@@ -168,6 +168,8 @@ def _check_equal(drafted: list[tuple], plain: list[tuple], random_rows_exact: bo
 
 @pytest.mark.parametrize("name", list(DRAFTED))
 def test_drafts_keep_every_sampling_rule(case, params, plain, name):
+    if name == "pp2_ngram" and case.prompts != _cycle_prompts():
+        pytest.skip("two stages run once, on the model whose drafts propose the banned words")
     drafted, stats = _generate(case, params, **DRAFTED[name])
     _check_equal(drafted, plain)
     assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens

@@ -9,9 +9,10 @@ from stepahead.models.loading.loader import load_model_config, load_tokenizer
 from stepahead.structured_output import StructuredOutputManager
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def smollm():
-    """The built-in SmolLM2-135M-Instruct: a real model and tokenizer, so grammars constrain real text."""
+    """The built-in SmolLM2-135M-Instruct: a real model and tokenizer, so grammars constrain real text
+    (one engine for the session: loading it is the slow part of these tests)."""
     with LLM(max_num_seqs=256) as llm:
         yield llm
 
@@ -29,12 +30,12 @@ def has_whitespace_outside_strings(json_text: str) -> bool:
     return any(ch.isspace() for ch in _JSON_STRING.sub('""', json_text))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def model_config():
     return load_model_config(None, "cpu")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tokenizer(model_config):
     """The built-in model's real tokenizer, without the model."""
     return load_tokenizer(model_config)

@@ -20,14 +20,14 @@ def _run(llm, prompts, constraints, max_tokens):
     return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def test_200_random_json_schemas(smollm):
+def test_120_random_json_schemas(smollm):
     rng = random.Random(0)
-    schemas = [random_object_schema(rng) for _ in range(200)]
+    schemas = [random_object_schema(rng) for _ in range(120)]
     prompts = [chat_prompt(smollm, f"Reply with a JSON object with the fields {', '.join(s['properties'])}.")
                for s in schemas]
     outputs = _run(smollm, prompts, [{"json": s} for s in schemas], max_tokens=96)
     finished = [(o, s) for o, s in zip(outputs, schemas, strict=True) if o.finish_reason == "stop"]
-    assert len(finished) >= 150, [o.finish_reason for o in outputs]  # most complete within max_tokens
+    assert len(finished) >= 90, [o.finish_reason for o in outputs]  # most complete within max_tokens
     for out, schema in finished:
         jsonschema.validate(json.loads(out.text), schema)  # strict json.loads: no raw control characters
     assert {o.finish_reason for o in outputs} <= {"stop", "length"}
